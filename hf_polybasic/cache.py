@@ -1,0 +1,129 @@
+"""One model with its own `DynamicCache`: feed tokens, read logits, roll back, commit.
+
+Invariant of `CachedModel`: its cache holds the keys/values of ``sequence[:, :length]`` for whatever
+sequence the chain passes next; callers keep it true by calling `rollback_to` whenever they discard
+tokens. Rollbacks only go down the chain (a verifier rolls back the level below it) and never
+re-prefill from scratch: they cut the tail of the cache.
+
+Rollback across several verification rounds: an intermediate level's block is verified by the
+level above only after several of its own rounds, so its cache must be able to drop tokens older
+than its last round. `DynamicCache.crop` on a sliding-window layer restricts the stored states back
+to the window after every call, which would make such a rollback impossible; `rollback_to` therefore
+trims sliding layers without restricting them, and `commit` (called once the target has verified a
+block, when no rollback can reach before it) restricts them with ``crop(0)``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+
+import torch
+from transformers.cache_utils import Cache, DynamicCache, DynamicIndexedLayer, DynamicLayer, DynamicSlidingWindowLayer
+
+from .compat import trim_sliding_layer_tail
+
+ROLLBACK_LAYER_TYPES = (DynamicLayer, DynamicSlidingWindowLayer, DynamicIndexedLayer)
+
+
+def model_label(model: torch.nn.Module) -> str:
+    """A short name for error messages and statistics, e.g. 'LlamaForCausalLM(name_or_path)'."""
+    name = getattr(getattr(model, "config", None), "name_or_path", "") or ""
+    return f"{type(model).__name__}({name})" if name else type(model).__name__
+
+
+def check_rollback_support(model: torch.nn.Module, cache: Cache, role: str) -> None:
+    """Raise a clear error if `cache` cannot be rolled back token by token."""
+    label = model_label(model)
+    if getattr(model, "_is_stateful", False):
+        raise ValueError(
+            f"{role} {label} is stateful (recurrent/SSM state); its state cannot be rolled back after a rejected draft, "
+            "so it cannot be part of a speculative chain"
+        )
+    if type(cache) is not DynamicCache:
+        raise ValueError(
+            f"{role} {label} uses a {type(cache).__name__}, which cannot be rolled back token by token "
+            "(static and quantized caches have no exact crop); use the default DynamicCache "
+            "(do not set cache_implementation / pass another cache type)"
+        )
+    for index, layer in enumerate(cache.layers):
+        if type(layer) not in ROLLBACK_LAYER_TYPES:
+            raise ValueError(
+                f"{role} {label}: cache layer {index} is a {type(layer).__name__} (recurrent or linear-attention state), "
+                "which cannot be rolled back after a rejected draft; such models cannot be part of a speculative chain"
+            )
+
+
+def new_cache(model: torch.nn.Module) -> DynamicCache:
+    """A fresh `DynamicCache` laid out for `model` (sliding layers where the config says so)."""
+    return DynamicCache(config=model.config.get_text_config(decoder=True))
+
+
+class CachedModel:
+    """A causal LM plus its own cache, fed incrementally along one token sequence.
+
+    Attributes:
+        length: tokens of the current sequence whose keys/values are cached.
+        forward_passes: forward calls made (F_i in the paper).
+        forward_seconds: wall time spent inside those calls.
+    """
+
+    def __init__(self, model: torch.nn.Module, cache: Cache | None, role: str):
+        self.model = model
+        self.cache = cache
+        self.role = role
+        self.device = model.device
+        if cache is not None:
+            check_rollback_support(model, cache, role)
+            cache.activate_past_recording()
+        self.length = cache.get_seq_length() if cache is not None else 0
+        self.forward_passes = 0
+        self.forward_seconds = 0.0
+        self._accepts_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
+
+    def next_token_logits(self, sequence: torch.LongTensor, num_positions: int) -> torch.Tensor:
+        """Float32 logits ``[num_positions, V]`` for the last positions of ``sequence`` ([1, L]).
+
+        Row j predicts the token after ``sequence[:, :L - num_positions + 1 + j]``. Only tokens not
+        yet cached are fed; afterwards all L tokens are cached.
+        """
+        total = sequence.shape[1]
+        first_needed = total - num_positions
+        if self.length > first_needed:
+            self.rollback_to(first_needed)
+        kwargs = {}
+        if self._accepts_logits_to_keep:
+            kwargs["logits_to_keep"] = num_positions
+        started = time.perf_counter()
+        if self.cache is None:
+            inputs = sequence.to(self.device)
+            outputs = self.model(input_ids=inputs, use_cache=False, **kwargs)
+        else:
+            inputs = sequence[:, self.length :].to(self.device)
+            positions = torch.arange(self.length, total, device=self.device).unsqueeze(0)
+            outputs = self.model(
+                input_ids=inputs, position_ids=positions, past_key_values=self.cache, use_cache=True, **kwargs
+            )
+        logits = outputs.logits[0, -num_positions:].float()
+        self.forward_seconds += time.perf_counter() - started
+        self.forward_passes += 1
+        self.length = total
+        return logits
+
+    def rollback_to(self, length: int) -> None:
+        """Forget cached tokens past ``length`` (no-op if fewer are cached)."""
+        if length >= self.length:
+            return
+        if self.cache is not None:
+            remove = self.length - length
+            for layer in self.cache.layers:
+                if isinstance(layer, DynamicSlidingWindowLayer):
+                    trim_sliding_layer_tail(layer, remove)
+                else:
+                    layer.crop(-remove)
+        self.length = length
+
+    def commit(self) -> None:
+        """Everything cached is final: let sliding layers drop states outside their window."""
+        if self.cache is not None:
+            self.cache.crop(0)

@@ -1,0 +1,126 @@
+"""`PolybasicConfig`: what the user sets, validated on construction.
+
+Mapping to the paper (Wang et al., ICML 2025, Algorithm 1), for a chain M1 > M2 > ... > Mn
+(M1 = the target, ``assistant_models = [M2, ..., Mn]``):
+
+* ``num_draft_tokens`` is the paper's **K**: how many tokens the bottom model Mn drafts per round.
+* ``block_threshold`` is the paper's **mu**, one value per *intermediate* level M2 .. M(n-1):
+  such a level keeps verifying drafts from the level below until it holds at least mu verified
+  tokens (or hits EOS or the length budget), then hands the whole block up. A single int applies
+  to every intermediate level. With two models (target + one assistant) there is no intermediate
+  level and mu is unused.
+* **L_i** (mean acceptance length) and **F_i** (forward passes) are not settings but measurements:
+  see `hf_polybasic.stats.LevelStats`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from typing import Any, Literal
+
+VERIFICATION_RULES = ("auto", "greedy")
+
+GENERATION_CONFIG_KEY = "polybasic_config"
+
+
+@dataclass(frozen=True)
+class PolybasicConfig:
+    """Settings of a polybasic chain. Every combination that validates is lossless.
+
+    Attributes:
+        num_draft_tokens: K, tokens the bottom model drafts per round (>= 1).
+        block_threshold: mu, verified tokens an intermediate level accumulates before the level
+            above verifies them; an int for every intermediate level, or a sequence with one value
+            per intermediate level, strongest first (>= 1 each).
+        verification: how *intermediate* levels verify the stream below them. ``"auto"`` follows
+            the target: greedy match under ``do_sample=False``, speculative sampling otherwise.
+            ``"greedy"`` makes intermediate levels always pass up their argmax tokens; under
+            sampling they then hand up a point-mass proposal, which the level above verifies with
+            the point-mass rule, so the output distribution is still exactly the target's.
+            The target itself always follows ``do_sample``.
+    """
+
+    num_draft_tokens: int = 4
+    block_threshold: int | tuple[int, ...] = 8
+    verification: Literal["auto", "greedy"] = "auto"
+
+    def __post_init__(self) -> None:
+        k = self.num_draft_tokens
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ValueError(f"PolybasicConfig.num_draft_tokens (K) must be an int >= 1, got {k!r}")
+        mu = self.block_threshold
+        if isinstance(mu, (list, tuple)):
+            mu = tuple(mu)
+            object.__setattr__(self, "block_threshold", mu)
+            values = mu
+            if not values:
+                raise ValueError("PolybasicConfig.block_threshold (mu) must not be an empty sequence")
+        else:
+            values = (mu,)
+        for value in values:
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(
+                    f"PolybasicConfig.block_threshold (mu) must be an int >= 1 or a sequence of them, got {mu!r}"
+                )
+        if self.verification not in VERIFICATION_RULES:
+            raise ValueError(
+                f"PolybasicConfig.verification must be one of {VERIFICATION_RULES}, got {self.verification!r}"
+            )
+
+    def thresholds_for(self, num_intermediate_levels: int) -> tuple[int, ...]:
+        """mu for each intermediate level, strongest first; errors if a sequence has the wrong length."""
+        mu = self.block_threshold
+        if isinstance(mu, int):
+            return (mu,) * num_intermediate_levels
+        if len(mu) != num_intermediate_levels:
+            raise ValueError(
+                f"PolybasicConfig.block_threshold has {len(mu)} values but the chain has "
+                f"{num_intermediate_levels} intermediate level(s) (assistant_models minus the bottom drafter); "
+                "give one mu per intermediate level or a single int"
+            )
+        return mu
+
+    # --- serialisation -------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-serialisable dict (lists for sequences)."""
+        out = dataclasses.asdict(self)
+        if isinstance(out["block_threshold"], tuple):
+            out["block_threshold"] = list(out["block_threshold"])
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> PolybasicConfig:
+        """Inverse of `to_dict`; unknown keys are an error, not silently dropped."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"PolybasicConfig has no field(s) {unknown}; known fields: {sorted(known)}")
+        return cls(**data)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> PolybasicConfig:
+        return cls.from_dict(json.loads(text))
+
+    def save_to(self, generation_config) -> None:
+        """Store this config as the default in a `GenerationConfig` (saved with `save_pretrained`)."""
+        setattr(generation_config, GENERATION_CONFIG_KEY, self.to_dict())
+
+    @classmethod
+    def from_generation_config(cls, generation_config) -> PolybasicConfig | None:
+        """The config stored by `save_to`, or None if the generation config holds none."""
+        stored = getattr(generation_config, GENERATION_CONFIG_KEY, None)
+        if stored is None:
+            return None
+        if isinstance(stored, PolybasicConfig):
+            return stored
+        if isinstance(stored, dict):
+            return cls.from_dict(stored)
+        raise TypeError(
+            f"generation_config.{GENERATION_CONFIG_KEY} must be a dict written by PolybasicConfig.save_to, "
+            f"got {type(stored).__name__}"
+        )

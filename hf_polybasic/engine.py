@@ -1,0 +1,113 @@
+"""The decode loop: build a chain for one row, run the target's verification rounds, stop exactly.
+
+The target is the top `VerifyingLevel`; each call of `verify_round` is one target forward pass over
+the block the chain below produced. Emitted tokens are checked against the stopping criteria one by
+one, so EOS, `stop_strings` and custom criteria stop generation at the same token as plain
+`generate`, even in the middle of a block; the length budget is never exceeded because no level
+drafts past it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from transformers.generation import StoppingCriteriaList
+
+from .cache import CachedModel, model_label, new_cache
+from .config import PolybasicConfig
+from .levels import DecodingRules, ModelDrafter, VerifyingLevel
+from .stats import LevelStats, PolybasicStats
+
+
+def build_chain(
+    target: torch.nn.Module,
+    assistant_models: Sequence[torch.nn.Module],
+    config: PolybasicConfig,
+    rules: DecodingRules,
+    target_cache,
+) -> tuple[VerifyingLevel, PolybasicStats]:
+    """The recursive chain M1 > M2 > ... > Mn with a fresh cache for every assistant.
+
+    ``target_cache`` is the target's cache (None when ``use_cache=False``).
+    """
+    names = [f"M{i + 1} {model_label(m)}" for i, m in enumerate([target, *assistant_models])]
+    roles = ["target"] + ["intermediate"] * (len(assistant_models) - 1) + ["drafter"]
+    stats = PolybasicStats(levels=[LevelStats(name=name, role=role) for name, role in zip(names, roles)])
+
+    drafter_model = assistant_models[-1]
+    level = ModelDrafter(
+        CachedModel(drafter_model, new_cache(drafter_model), role=f"assistant {names[-1]}"),
+        rules,
+        config.num_draft_tokens,
+        stats.levels[-1],
+    )
+    thresholds = config.thresholds_for(len(assistant_models) - 1)
+    for index in range(len(assistant_models) - 2, -1, -1):  # intermediate levels, bottom-up
+        model = assistant_models[index]
+        level = VerifyingLevel(
+            CachedModel(model, new_cache(model), role=f"assistant {names[index + 1]}"),
+            level,
+            rules,
+            stats.levels[index + 1],
+            block_threshold=thresholds[index],
+            greedy_proposals=config.verification == "greedy",
+        )
+    top = VerifyingLevel(CachedModel(target, target_cache, role=f"target {names[0]}"), level, rules, stats.levels[0])
+    return top, stats
+
+
+@dataclass
+class RowResult:
+    """New tokens of one row plus, when requested, the target's rows for each of them."""
+
+    tokens: torch.LongTensor  # [m]
+    scores: list[torch.Tensor] = field(default_factory=list)  # m x [V] processed
+    logits: list[torch.Tensor] = field(default_factory=list)  # m x [V] raw
+
+
+def decode_row(
+    top: VerifyingLevel,
+    prompt: torch.LongTensor,
+    max_length: int,
+    stopping_criteria: StoppingCriteriaList,
+    streamer=None,
+    keep_scores: bool = False,
+    keep_logits: bool = False,
+) -> RowResult:
+    """Generate after ``prompt`` ([1, L]) until a stopping criterion fires or ``max_length``."""
+    sequence = prompt
+    result = RowResult(tokens=prompt.new_empty(0))
+    finished = False
+    while not finished and sequence.shape[1] < max_length:
+        round_ = top.verify_round(sequence, max_length - sequence.shape[1])
+        keep = round_.tokens.shape[0]
+        for j in range(keep):
+            grown = torch.cat([sequence, round_.tokens[: j + 1].unsqueeze(0)], dim=1)
+            if bool(stopping_criteria(grown, round_.scores[j : j + 1]).any()):
+                keep, finished = j + 1, True
+                break
+        tokens = round_.tokens[:keep]
+        sequence = torch.cat([sequence, tokens.unsqueeze(0)], dim=1)
+        top.commit()
+        if streamer is not None:
+            streamer.put(tokens.cpu())
+        if keep_scores:
+            result.scores.extend(round_.scores[:keep].unbind(0))
+        if keep_logits:
+            result.logits.extend(round_.logits[:keep].unbind(0))
+    result.tokens = sequence[0, prompt.shape[1] :]
+    return result
+
+
+def timed_decode(
+    top: VerifyingLevel, stats: PolybasicStats, prompt: torch.LongTensor, **kwargs
+) -> RowResult:
+    """`decode_row`, filling the call-level fields of ``stats``."""
+    started = time.perf_counter()
+    result = decode_row(top, prompt, **kwargs)
+    stats.seconds = time.perf_counter() - started
+    stats.new_tokens = int(result.tokens.shape[0])
+    return result

@@ -1,0 +1,67 @@
+"""Applying the `LogitsProcessorList` that `generate` prepared, at every position of a block.
+
+Every level turns raw logits into the *processed* distribution with the same processors the target
+uses in plain `generate` (temperature, top-k/p, min-p, repetition penalty, no-repeat-ngram,
+min-new-tokens, ...). A processor sees the prefix its position really has: row j of a block is
+processed with ``sequence[:, :start + j]``, exactly as `_sample` would have seen it.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.generation import logits_process as lp
+
+# Processors whose output for a row depends on that row's scores only, never on input_ids. They are
+# applied to all positions of a block in one call instead of one call per position.
+PREFIX_FREE_PROCESSORS: tuple[type, ...] = (
+    lp.TemperatureLogitsWarper,
+    lp.TopKLogitsWarper,
+    lp.TopPLogitsWarper,
+    lp.TopHLogitsWarper,
+    lp.MinPLogitsWarper,
+    lp.TypicalLogitsWarper,
+    lp.EpsilonLogitsWarper,
+    lp.EtaLogitsWarper,
+    lp.InfNanRemoveLogitsProcessor,
+    lp.LogitNormalization,
+)
+
+# Processors that keep state across calls or run another model; speculative rollback would replay
+# or skip their calls, so they cannot give the target's exact distribution.
+STATEFUL_PROCESSORS: tuple[type, ...] = (
+    lp.ClassifierFreeGuidanceLogitsProcessor,
+    lp.UnbatchedClassifierFreeGuidanceLogitsProcessor,
+)
+
+
+def reject_stateful_processors(processors: lp.LogitsProcessorList) -> None:
+    """Raise if a processor cannot be applied out of order (see STATEFUL_PROCESSORS)."""
+    for processor in processors:
+        if isinstance(processor, STATEFUL_PROCESSORS):
+            raise ValueError(
+                f"{type(processor).__name__} (e.g. from `guidance_scale`) keeps state across calls and cannot be "
+                "used with speculative decoding, whose verification rolls positions back; remove it or use plain generate"
+            )
+
+
+def process_positions(
+    processors: lp.LogitsProcessorList, sequence: torch.LongTensor, start: int, logits: torch.Tensor
+) -> torch.Tensor:
+    """Processed scores for consecutive positions.
+
+    sequence: [1, >= start + m - 1] token ids; logits: [m, V] float raw logits, where row j
+    predicts the token after ``sequence[:, :start + j]``. Returns [m, V].
+    """
+    if not processors:
+        return logits
+    scores = logits.clone()  # user processors may work in place; raw logits are reported as they were
+    num_positions = scores.shape[0]
+    for processor in processors:
+        if isinstance(processor, PREFIX_FREE_PROCESSORS):
+            # input_ids is ignored by these; give it a matching batch dimension anyway
+            scores = processor(sequence[:, :start].expand(num_positions, -1), scores)
+        else:
+            scores = torch.cat(
+                [processor(sequence[:, : start + j], scores[j : j + 1]) for j in range(num_positions)], dim=0
+            )
+    return scores

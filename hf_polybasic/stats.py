@@ -1,0 +1,102 @@
+"""Per-call statistics, one `LevelStats` per model of the chain: data, not log lines.
+
+Counting convention (the EAGLE / Spec-Bench convention, called tau there): the **acceptance
+length** of one verification is the number of tokens the verifier emits from it, i.e. the accepted
+draft tokens **plus** the one token it adds itself (recovered or bonus), so it is >= 1. L_i is its
+mean over the verifications of model M_i. `acceptance_rate` is accepted / drafted, without it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class LevelStats:
+    """What one model of the chain did during a `generate` call.
+
+    Attributes:
+        name: "M1" for the target, "M2", ... down the chain, with the model class.
+        role: "target", "intermediate" or "drafter".
+        forward_passes: F_i, forward calls of this model.
+        seconds: wall time spent in this level's own work (its forwards, logits processing and
+            verification), excluding the levels below it.
+        verifications: rounds in which this model verified a draft from the level below
+            (0 for the drafter).
+        drafted: tokens this level received from the level below to verify.
+        accepted: of those, how many it accepted.
+        acceptance_lengths: per verification, accepted + 1 (see module docstring).
+        proposed: tokens this level handed up to the level above (0 for the target).
+    """
+
+    name: str
+    role: str
+    forward_passes: int = 0
+    seconds: float = 0.0
+    verifications: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    acceptance_lengths: list[int] = field(default_factory=list)
+    proposed: int = 0
+
+    def record_verification(self, num_drafted: int, num_accepted: int) -> None:
+        self.verifications += 1
+        self.drafted += num_drafted
+        self.accepted += num_accepted
+        self.acceptance_lengths.append(num_accepted + 1)
+
+    @property
+    def mean_acceptance_length(self) -> float | None:
+        """L_i: mean tokens emitted per verification (accepted + 1); None if it never verified."""
+        if not self.verifications:
+            return None
+        return (self.accepted + self.verifications) / self.verifications
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        """accepted / drafted; None if nothing was drafted to this level."""
+        return self.accepted / self.drafted if self.drafted else None
+
+    def merge(self, other: LevelStats) -> None:
+        """Add another row's numbers (batched calls decode rows one by one)."""
+        self.forward_passes += other.forward_passes
+        self.seconds += other.seconds
+        self.verifications += other.verifications
+        self.drafted += other.drafted
+        self.accepted += other.accepted
+        self.acceptance_lengths.extend(other.acceptance_lengths)
+        self.proposed += other.proposed
+
+
+@dataclass
+class PolybasicStats:
+    """Statistics of one `generate` call: `levels[0]` is the target M1, then M2, ... Mn."""
+
+    levels: list[LevelStats]
+    new_tokens: int = 0
+    seconds: float = 0.0
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        for level, row in zip(self.levels, out["levels"]):
+            row["mean_acceptance_length"] = level.mean_acceptance_length
+            row["acceptance_rate"] = level.acceptance_rate
+        return out
+
+    def merge(self, other: PolybasicStats) -> None:
+        for mine, theirs in zip(self.levels, other.levels):
+            mine.merge(theirs)
+        self.new_tokens += other.new_tokens
+        self.seconds += other.seconds
+
+    def __str__(self) -> str:
+        header = f"{'level':<32} {'F_i':>6} {'drafted':>8} {'accepted':>9} {'L_i':>6} {'proposed':>9} {'seconds':>8}"
+        rows = [header]
+        for level in self.levels:
+            mean = level.mean_acceptance_length
+            rows.append(
+                f"{level.name:<32} {level.forward_passes:>6} {level.drafted:>8} {level.accepted:>9} "
+                f"{(f'{mean:.2f}' if mean is not None else '-'):>6} {level.proposed:>9} {level.seconds:>8.3f}"
+            )
+        rows.append(f"{self.new_tokens} new tokens in {self.seconds:.3f} s")
+        return "\n".join(rows)

@@ -1,0 +1,116 @@
+"""Pure acceptance math: where a drafted token is accepted, for every level of every chain.
+
+Vocabulary used throughout the package:
+
+* **draft**: the k tokens a level below proposes, ``draft_ids`` ``[k]``.
+* **proposal** q: the distribution each draft token was actually drawn from, ``draft_probs``
+  ``[k, V]``; ``None`` means the drafts are deterministic (a point mass: greedy levels, n-gram
+  drafters).
+* **target** p: the verifier's *processed* distribution at the k draft positions plus one more,
+  ``target_probs`` / ``target_scores`` ``[k + 1, V]``.
+* **accepted**: the leading draft tokens kept, ``num_accepted`` in ``0..k``.
+* **next token**: the one token the verifier adds itself after the accepted ones: the *recovered*
+  token after a rejection, or the *bonus* token when all k were accepted.
+
+Every function returns ``(num_accepted, next_token)``; the level emits
+``draft_ids[:num_accepted] + [next_token]``.
+
+Why the output is distributed exactly as p (Leviathan et al. 2023, Thm. 1): at a position with
+proposal q, the token x ~ q is kept with probability min(1, p(x)/q(x)), otherwise a token is drawn
+from norm(max(p - q, 0)); the kept-or-redrawn token then has probability
+min(q(x), p(x)) + max(p(x) - q(x), 0) = p(x). A point mass q = 1[x = d] gives the point-mass rule:
+draw y ~ p and keep d iff y = d, else emit y, which again emits y ~ p. Positions are handled left to
+right with fresh randomness, so the emitted sequence is an autoregressive sample of p, whatever the
+block length (it depends only on tokens already emitted). Greedy: the verifier's argmax is emitted
+at every position, so the result is the verifier's own greedy continuation.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def count_leading_true(mask: torch.Tensor) -> int:
+    """Length of the run of True at the start of a 1-D bool tensor."""
+    return int((~mask).cumsum(-1).eq(0).sum())
+
+
+def _gather_draft_probability(probs: torch.Tensor, draft_ids: torch.Tensor) -> torch.Tensor:
+    """probs[i, draft_ids[i]] for each i; 0 where a draft id lies outside probs' vocabulary.
+
+    probs: [k, V]; draft_ids: [k] -> [k]
+    """
+    vocab = probs.shape[-1]
+    inside = draft_ids < vocab
+    picked = probs.gather(-1, draft_ids.clamp(max=vocab - 1).unsqueeze(-1)).squeeze(-1)
+    return torch.where(inside, picked, torch.zeros_like(picked))
+
+
+def align_vocabulary(probs: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Probabilities over ``vocab_size`` ids: extra ids dropped (not renormalised), missing ids 0.
+
+    Models that share a tokenizer may pad their output layers to different sizes; the mass a
+    proposal puts on ids the verifier does not have is simply never accepted.
+    probs: [k, V_draft] -> [k, vocab_size]
+    """
+    width = probs.shape[-1]
+    if width == vocab_size:
+        return probs
+    if width > vocab_size:
+        return probs[..., :vocab_size]
+    return torch.nn.functional.pad(probs, (0, vocab_size - width))
+
+
+def greedy_verify(draft_ids: torch.Tensor, target_scores: torch.Tensor) -> tuple[int, int]:
+    """Greedy match: accept drafts while they equal the verifier's argmax.
+
+    draft_ids: [k]; target_scores: [k + 1, V] (processed logits or probabilities).
+    """
+    choice = target_scores.argmax(-1)  # [k + 1]
+    k = draft_ids.shape[0]
+    num_accepted = count_leading_true(draft_ids == choice[:k])
+    return num_accepted, int(choice[num_accepted])
+
+
+def point_mass_verify(
+    draft_ids: torch.Tensor, target_probs: torch.Tensor, generator: torch.Generator | None = None
+) -> tuple[int, int]:
+    """Lossless rule for deterministic drafts: draw y ~ p at each position, keep d while y == d.
+
+    draft_ids: [k]; target_probs: [k + 1, V].
+    """
+    drawn = torch.multinomial(target_probs, 1, generator=generator).squeeze(-1)  # [k + 1]
+    k = draft_ids.shape[0]
+    num_accepted = count_leading_true(draft_ids == drawn[:k])
+    return num_accepted, int(drawn[num_accepted])
+
+
+def speculative_verify(
+    draft_ids: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    target_probs: torch.Tensor,
+    generator: torch.Generator | None = None,
+) -> tuple[int, int]:
+    """Speculative sampling (Leviathan et al. 2023, Alg. 1); ``draft_probs=None`` is a point mass.
+
+    draft_ids: [k]; draft_probs: [k, V_draft] or None; target_probs: [k + 1, V].
+    The proposal must be exactly the distribution the drafts were drawn from (processed, not raw).
+    """
+    if draft_probs is None:
+        return point_mass_verify(draft_ids, target_probs, generator)
+    k = draft_ids.shape[0]
+    vocab = target_probs.shape[-1]
+    q = align_vocabulary(draft_probs, vocab)  # [k, V]
+    p_draft = _gather_draft_probability(target_probs[:k], draft_ids)  # [k]
+    q_draft = _gather_draft_probability(draft_probs, draft_ids)  # [k]
+    coins = torch.rand(k, device=target_probs.device, dtype=target_probs.dtype, generator=generator)
+    # accept iff u <= p/q, written without the division (q_draft > 0 for a drawn token)
+    num_accepted = count_leading_true(coins * q_draft <= p_draft)
+    if num_accepted == k:
+        next_distribution = target_probs[k]
+    else:
+        residual = (target_probs[num_accepted] - q[num_accepted]).clamp_min(0)
+        # p == q up to rounding leaves no residual mass; p itself is then the exact answer
+        next_distribution = residual if float(residual.sum()) > 0 else target_probs[num_accepted]
+    next_token = int(torch.multinomial(next_distribution, 1, generator=generator))
+    return num_accepted, next_token

@@ -1,0 +1,94 @@
+"""Tiny random models built in code (no network): a target and noisy copies standing in for
+cheaper models of the same family, so drafts are often, but not always, accepted."""
+
+from __future__ import annotations
+
+import torch
+from transformers import (
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+VOCAB = 96
+EOS = 2
+BOS = 1
+PAD = 0
+
+
+def _config(arch: str, vocab: int = VOCAB, layers: int = 2, sliding_window: int = 6, **extra):
+    common = dict(
+        vocab_size=vocab,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        bos_token_id=BOS,
+        eos_token_id=EOS,
+        pad_token_id=PAD,
+        tie_word_embeddings=False,
+        **extra,
+    )
+    if arch == "llama":
+        return LlamaForCausalLM, LlamaConfig(**common)
+    if arch == "qwen2":
+        return Qwen2ForCausalLM, Qwen2Config(**common)
+    if arch == "gemma3":
+        # every other layer is sliding-window with a window far shorter than the generations
+        return Gemma3ForCausalLM, Gemma3TextConfig(
+            **common, head_dim=8, sliding_window=sliding_window, layer_types=["sliding_attention", "full_attention"] * (layers // 2)
+        )
+    raise ValueError(arch)
+
+
+def make_target(arch: str = "llama", seed: int = 0, vocab: int = VOCAB, logit_scale: float = 4.0, **extra):
+    """A random target whose output layer is scaled up, so its distributions are peaked."""
+    cls, config = _config(arch, vocab=vocab, **extra)
+    torch.manual_seed(seed)
+    model = cls(config).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(logit_scale)
+    model.generation_config.pad_token_id = PAD
+    model.generation_config.eos_token_id = EOS
+    model.generation_config.bos_token_id = BOS
+    return model
+
+
+def noisy_copy(model, noise: float, seed: int, vocab: int | None = None):
+    """The same architecture with every weight multiplied by (1 + noise * N(0, 1)).
+
+    ``vocab`` larger than the model's pads the output layer (as Qwen pads its vocabulary).
+    """
+    config = model.config.__class__.from_dict(model.config.to_dict())
+    if vocab is not None:
+        config.vocab_size = vocab
+    copy = type(model)(config).eval()
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        source = dict(model.named_parameters())
+        for name, parameter in copy.named_parameters():
+            original = source[name]
+            if original.shape != parameter.shape:  # padded embedding / head: copy the shared rows
+                parameter.normal_(0, 0.02, generator=generator)
+                parameter[: original.shape[0]] = original
+                continue
+            parameter.copy_(original * (1 + noise * torch.randn(original.shape, generator=generator)))
+    copy.generation_config = model.generation_config
+    return copy
+
+
+def make_chain(arch: str = "llama", depth: int = 3, seed: int = 0, **extra):
+    """[target, M2, ..., M_depth] with noise growing down the chain."""
+    target = make_target(arch, seed=seed, **extra)
+    noises = [0.05, 0.2, 0.4, 0.6]
+    return [target] + [noisy_copy(target, noises[i], seed + 100 + i) for i in range(depth - 1)]
+
+
+def prompt(length: int = 5, seed: int = 0, vocab: int = VOCAB) -> torch.LongTensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab, (1, length), generator=generator)
