@@ -15,6 +15,7 @@ block, when no rollback can reach before it) restricts them with ``crop(0)``.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import time
 
@@ -54,6 +55,11 @@ def check_rollback_support(model: torch.nn.Module, cache: Cache, role: str) -> N
             )
 
 
+@functools.lru_cache(maxsize=None)
+def _accepts_logits_to_keep(model_class: type) -> bool:
+    return "logits_to_keep" in inspect.signature(model_class.forward).parameters
+
+
 def new_cache(model: torch.nn.Module) -> DynamicCache:
     """A fresh `DynamicCache` laid out for `model` (sliding layers where the config says so)."""
     return DynamicCache(config=model.config.get_text_config(decoder=True))
@@ -79,7 +85,7 @@ class CachedModel:
         self.length = cache.get_seq_length() if cache is not None else 0
         self.forward_passes = 0
         self.forward_seconds = 0.0
-        self._accepts_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
+        self._accepts_logits_to_keep = _accepts_logits_to_keep(type(model))
 
     def next_token_logits(self, sequence: torch.LongTensor, num_positions: int) -> torch.Tensor:
         """Float32 logits ``[num_positions, V]`` for the last positions of ``sequence`` ([1, L]).
@@ -125,5 +131,9 @@ class CachedModel:
 
     def commit(self) -> None:
         """Everything cached is final: let sliding layers drop states outside their window."""
-        if self.cache is not None:
-            self.cache.crop(0)
+        if self.cache is None:
+            return
+        for layer in self.cache.layers:
+            # DynamicSlidingWindowLayer.crop(0) fails on a layer that never saw a token (transformers 5.23)
+            if isinstance(layer, DynamicSlidingWindowLayer) and layer.is_initialized:
+                layer.crop(0)

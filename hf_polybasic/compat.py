@@ -57,12 +57,17 @@ def trim_sliding_layer_tail(layer: DynamicSlidingWindowLayer, tokens_to_remove: 
     layer.cumulative_length -= tokens_to_remove
 
 
-def streamer_of_calling_generate():
+def streamer_of_calling_generate(max_depth: int = 6):
     """The ``streamer`` argument of the `generate` call that invoked our `custom_generate`, or None.
 
-    Frame layout: GenerationMixin.generate -> hf_polybasic.generate -> this function.
+    Walks up a few frames (decorators such as ``torch.no_grad`` add some) to the nearest
+    `GenerationMixin.generate` frame.
     """
-    frame = sys._getframe(2)
-    if frame.f_code.co_name == "generate" and frame.f_globals.get("__name__") == "transformers.generation.utils":
-        return frame.f_locals.get("streamer")
+    frame = sys._getframe(1)
+    for _ in range(max_depth):
+        frame = frame.f_back
+        if frame is None:
+            return None
+        if frame.f_code.co_name == "generate" and frame.f_globals.get("__name__") == "transformers.generation.utils":
+            return frame.f_locals.get("streamer")
     return None

@@ -107,8 +107,13 @@ class PolybasicConfig:
         return cls.from_dict(json.loads(text))
 
     def save_to(self, generation_config) -> None:
-        """Store this config as the default in a `GenerationConfig` (saved with `save_pretrained`)."""
+        """Store this config as the default in a `GenerationConfig` (saved with `save_pretrained`).
+
+        The generation config stops counting as derived from the model config: transformers drops
+        custom entries when it reloads a config marked ``_from_model_config``.
+        """
         setattr(generation_config, GENERATION_CONFIG_KEY, self.to_dict())
+        generation_config._from_model_config = False
 
     @classmethod
     def from_generation_config(cls, generation_config) -> PolybasicConfig | None:

@@ -30,8 +30,10 @@ from .stats import PolybasicStats
 # model_kwargs that `generate` prepares and the engine understands (it recomputes positions per row)
 HANDLED_MODEL_KWARGS = frozenset({"attention_mask", "past_key_values", "use_cache", "logits_to_keep", "position_ids"})
 LAST_STATS_ATTRIBUTE = "_hf_polybasic_last_stats"
-# relative difference of output vocabulary sizes accepted as padding of one shared tokenizer
-MAX_VOCAB_PADDING = 0.01
+# output vocabulary sizes may differ by this much (absolute or relative, whichever is larger) and
+# still count as padding of one shared tokenizer (Qwen2.5: 151,665 real ids, 151,936 or 152,064 rows)
+MAX_VOCAB_PADDING_TOKENS = 256
+MAX_VOCAB_PADDING_FRACTION = 0.01
 
 
 @dataclass
@@ -97,7 +99,8 @@ def _check_vocabularies(target, assistants) -> None:
         config = _text_config(assistant)
         where = f"assistant_models[{position}] ({type(assistant).__name__}) and the target ({type(target).__name__})"
         larger = max(config.vocab_size, target_config.vocab_size)
-        if abs(config.vocab_size - target_config.vocab_size) > MAX_VOCAB_PADDING * larger:
+        allowed = max(MAX_VOCAB_PADDING_TOKENS, MAX_VOCAB_PADDING_FRACTION * larger)
+        if abs(config.vocab_size - target_config.vocab_size) > allowed:
             raise ValueError(
                 f"{where} have incompatible vocabularies: {config.vocab_size} vs {target_config.vocab_size} tokens. "
                 "Every model of a chain must use the target's tokenizer (output layers may differ only by padding)"

@@ -96,8 +96,8 @@ class ModelDrafter(CandidateGenerator):
             logits = self.runner.next_token_logits(sequence, 1)  # [1, V]
             scores = process_positions(self.rules.processors, sequence, sequence.shape[1], logits)
             if self.rules.do_sample:
-                step_log_probs = scores.log_softmax(-1)
-                token = torch.multinomial(step_log_probs.exp(), 1)  # [1, 1]
+                step_log_probs = self.proposal_log_probs(scores, logits)
+                token = torch.multinomial(scores.softmax(-1), 1)  # [1, 1]
                 log_probs.append(step_log_probs)
             else:
                 token = scores.argmax(-1, keepdim=True)
@@ -110,6 +110,12 @@ class ModelDrafter(CandidateGenerator):
         self.stats.seconds += time.perf_counter() - started
         proposal = torch.cat(log_probs, dim=0).unsqueeze(0) if log_probs else None
         return sequence, proposal
+
+    @staticmethod
+    def proposal_log_probs(scores: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        """The q reported upward: the processed distribution the token was drawn from (not the raw
+        logits, which would make the chain lossy under top-k/top-p/temperature)."""
+        return scores.log_softmax(-1)
 
     def update_candidate_strategy(self, input_ids, scores, num_matches: int) -> None:
         self.rollback_to(self._prefix_length + num_matches)

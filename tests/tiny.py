@@ -92,3 +92,21 @@ def make_chain(arch: str = "llama", depth: int = 3, seed: int = 0, **extra):
 def prompt(length: int = 5, seed: int = 0, vocab: int = VOCAB) -> torch.LongTensor:
     generator = torch.Generator().manual_seed(seed)
     return torch.randint(3, vocab, (1, length), generator=generator)
+
+
+def make_tokenizer(vocab: int = VOCAB):
+    """A character-level tokenizer over the tiny vocabulary: id i >= 3 is the character chr(30 + i)
+    ('!' .. '}'), so any text without spaces round-trips and stop strings work."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    pieces = {"<pad>": PAD, "<s>": BOS, "</s>": EOS}
+    pieces.update({chr(30 + i): i for i in range(3, vocab)})
+    backend = Tokenizer(models.BPE(vocab=pieces, merges=[], unk_token="<pad>"))
+    backend.decoder = decoders.Fuse()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<pad>"
+    )
+    tokenizer.padding_side = "left"
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    return tokenizer

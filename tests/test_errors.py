@@ -1,0 +1,181 @@
+"""Bad input gets a clear error naming the argument; nothing is silently ignored."""
+
+import functools
+
+import pytest
+import torch
+from tiny import make_chain, make_target, noisy_copy, prompt
+from transformers import DynamicCache, StaticCache
+
+import hf_polybasic as hp
+from hf_polybasic.cache import CachedModel
+
+
+@functools.lru_cache(maxsize=None)
+def chain():
+    return make_chain("llama", 3, seed=21)
+
+
+def run(target, assistants=None, **kwargs):
+    if assistants is None:
+        assistants = list(chain()[1:])
+    kwargs.setdefault("max_new_tokens", 4)
+    return target.generate(prompt(4), custom_generate=hp.generate, assistant_models=assistants, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "assistants, error, message",
+    [
+        (None, ValueError, "needs `assistant_models"),
+        ([], ValueError, "is empty"),
+        ("model", TypeError, "must be a list"),
+        ([object()], TypeError, r"assistant_models\[0\]"),
+    ],
+)
+def test_bad_assistant_models(assistants, error, message):
+    target = chain()[0]
+    with pytest.raises(error, match=message):
+        target.generate(prompt(4), custom_generate=hp.generate, assistant_models=assistants, max_new_tokens=3)
+
+
+def test_a_single_model_instead_of_a_list_is_a_type_error():
+    target, m2, _ = chain()
+    with pytest.raises(TypeError, match="assistant_models=\\[model\\]"):
+        target.generate(prompt(4), custom_generate=hp.generate, assistant_models=m2, max_new_tokens=3)
+
+
+def test_incompatible_vocabulary_names_both_models():
+    target = chain()[0]
+    other = make_target("qwen2", seed=1, vocab=1000)
+    with pytest.raises(ValueError, match=r"assistant_models\[0\] \(Qwen2ForCausalLM\).*LlamaForCausalLM.*1000 vs 96"):
+        run(target, [other])
+
+
+def test_padded_vocabulary_of_the_same_tokenizer_is_accepted():
+    """An assistant whose output layer is padded (97 vs 96 ids) still gives the target's greedy output."""
+    target = make_target("llama", seed=4, vocab=96)
+    padded = noisy_copy(target, 0.05, seed=5, vocab=97)
+    ids = prompt(4, seed=1)
+    reference = target.generate(ids, do_sample=False, max_new_tokens=15, eos_token_id=None)
+    out = target.generate(
+        ids, do_sample=False, max_new_tokens=15, eos_token_id=None, custom_generate=hp.generate, assistant_models=[padded]
+    )
+    assert torch.equal(out, reference)
+    torch.manual_seed(0)
+    sampled = target.generate(
+        ids, do_sample=True, max_new_tokens=15, eos_token_id=None, custom_generate=hp.generate, assistant_models=[padded]
+    )
+    assert int(sampled.max()) < 96
+
+
+def test_disagreeing_eos_is_an_incompatible_tokenizer():
+    target = chain()[0]
+    other = noisy_copy(target, 0.1, seed=3)
+    other.config.eos_token_id = 7
+    with pytest.raises(ValueError, match="disagree on eos_token_id"):
+        run(target, [other])
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (dict(num_beams=2), "beam search"),
+        (dict(guidance_scale=1.5), "guidance_scale"),
+        (dict(prompt_lookup_num_tokens=3), "prompt_lookup_num_tokens"),
+        (dict(return_dict_in_generate=True, output_attentions=True), "output_attentions"),
+        (dict(return_dict_in_generate=True, output_hidden_states=True), "output_hidden_states"),
+    ],
+)
+def test_unsupported_generation_options(options, message):
+    target = chain()[0]
+    with pytest.raises((ValueError, NotImplementedError), match=message):
+        run(target, **options)
+
+
+def test_unknown_model_inputs_are_named():
+    target = chain()[0]
+    with pytest.raises(ValueError, match="token_type_ids"):
+        run(target, token_type_ids=torch.zeros(1, 4, dtype=torch.long))
+
+
+def test_static_cache_cannot_be_rolled_back():
+    target = chain()[0]
+    with pytest.raises(ValueError, match="StaticCache.*cannot be rolled back"):
+        run(target, past_key_values=StaticCache(config=target.config, max_cache_len=32))
+
+
+def test_quantized_style_cache_layers_are_refused():
+    target = chain()[0]
+    cache = DynamicCache(config=target.config)
+
+    class OddLayer(type(cache.layers[0])):
+        pass
+
+    cache.layers[0] = OddLayer()
+    with pytest.raises(ValueError, match="cache layer 0 is a OddLayer"):
+        CachedModel(target, cache, role="target")
+
+
+def test_stateful_models_are_refused():
+    target = chain()[0]
+    target._is_stateful = True
+    try:
+        with pytest.raises(ValueError, match="stateful"):
+            run(target)
+    finally:
+        del target._is_stateful
+
+
+def test_encoder_decoder_target_is_refused():
+    target, m2, _ = chain()
+    target.config.is_encoder_decoder = True
+    try:
+        with pytest.raises(NotImplementedError, match="encoder-decoder"):
+            hp.generate(target, prompt(3), None, None, target.generation_config, assistant_models=[m2])
+    finally:
+        target.config.is_encoder_decoder = False
+
+
+def test_wrong_number_of_block_thresholds():
+    target = chain()[0]
+    with pytest.raises(ValueError, match="block_threshold has 2 values but the chain has 1 intermediate"):
+        run(target, polybasic_config=hp.PolybasicConfig(block_threshold=(4, 4)))
+
+
+def test_polybasic_config_of_the_wrong_type():
+    target = chain()[0]
+    with pytest.raises(TypeError, match="polybasic_config"):
+        run(target, polybasic_config=5)
+
+
+def test_enabled_model_rejects_mixing_with_hf_assistant_model():
+    target, m2, m3 = chain()
+    hp.enable(target)
+    try:
+        with pytest.raises(ValueError, match="assistant_model="):
+            target.generate(prompt(4), assistant_models=[m2, m3], assistant_model=m3, max_new_tokens=3)
+        with pytest.raises(ValueError, match="without `assistant_models`"):
+            target.generate(prompt(4), polybasic_config=hp.PolybasicConfig(), max_new_tokens=3)
+    finally:
+        hp.disable(target)
+
+
+def test_enable_rejects_non_generation_models():
+    with pytest.raises(TypeError, match="generation model"):
+        hp.enable(torch.nn.Linear(2, 2))
+
+
+def test_streamer_with_a_batch_is_refused():
+    from tiny import make_tokenizer
+    from transformers import TextStreamer
+
+    target = chain()[0]
+    ids = torch.randint(3, 90, (2, 4))
+    with pytest.raises(ValueError, match="batch size 1"):
+        target.generate(
+            ids,
+            custom_generate=hp.generate,
+            assistant_models=list(chain()[1:]),
+            max_new_tokens=3,
+            streamer=TextStreamer(make_tokenizer()),
+        )

@@ -1,0 +1,321 @@
+"""Everything users pass to `generate` keeps meaning what it means in plain `generate`."""
+
+import functools
+import threading
+
+import pytest
+import torch
+from tiny import EOS, PAD, make_chain, make_tokenizer, prompt
+from transformers import (
+    LogitsProcessor,
+    LogitsProcessorList,
+    StoppingCriteria,
+    StoppingCriteriaList,
+    TextIteratorStreamer,
+    TextStreamer,
+    pipeline,
+)
+
+import hf_polybasic as hp
+
+CONFIG = hp.PolybasicConfig(num_draft_tokens=3, block_threshold=4)
+
+
+@functools.lru_cache(maxsize=None)
+def chain(depth: int = 3, arch: str = "llama"):
+    return make_chain(arch, depth, seed=11)
+
+
+def polybasic(target, assistants, *args, **kwargs):
+    kwargs.setdefault("polybasic_config", CONFIG)
+    return target.generate(*args, custom_generate=hp.generate, assistant_models=assistants, **kwargs)
+
+
+@pytest.fixture
+def enabled():
+    target, *assistants = chain()
+    hp.enable(target)
+    yield target, assistants
+    hp.disable(target)
+
+
+# --- budgets, EOS, stopping ------------------------------------------------------------------------
+@pytest.mark.parametrize("budget", [dict(max_new_tokens=1), dict(max_new_tokens=17), dict(max_length=14)])
+def test_length_budget_is_exact(budget):
+    target, *assistants = chain()
+    ids = prompt(6, seed=2)
+    reference = target.generate(ids, do_sample=False, eos_token_id=None, **budget)
+    out = polybasic(target, assistants, ids, do_sample=False, eos_token_id=None, **budget)
+    assert torch.equal(out, reference)
+    expected = budget.get("max_new_tokens", budget.get("max_length", 0) - ids.shape[1])
+    assert out.shape[1] - ids.shape[1] == expected
+
+
+def test_sampling_respects_budget_and_min_new_tokens():
+    target, *assistants = chain()
+    ids = prompt(4, seed=3)
+    torch.manual_seed(0)
+    for _ in range(5):
+        out = polybasic(target, assistants, ids, do_sample=True, max_new_tokens=12, min_new_tokens=12, eos_token_id=EOS)
+        assert out.shape[1] == ids.shape[1] + 12
+        assert EOS not in out[0, ids.shape[1] :].tolist()
+
+
+class StopAfterToken(StoppingCriteria):
+    def __init__(self, token: int):
+        self.token = token
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return input_ids[:, -1] == self.token
+
+
+def test_custom_stopping_criteria_stop_mid_block():
+    target, *assistants = chain()
+    ids = prompt(5, seed=4)
+    reference = target.generate(ids, do_sample=False, max_new_tokens=30, eos_token_id=None)
+    stop_token = int(reference[0, ids.shape[1] + 7])
+    criteria = StoppingCriteriaList([StopAfterToken(stop_token)])
+    expected = target.generate(ids, do_sample=False, max_new_tokens=30, eos_token_id=None, stopping_criteria=criteria)
+    out = polybasic(
+        target, assistants, ids, do_sample=False, max_new_tokens=30, eos_token_id=None, stopping_criteria=criteria
+    )
+    assert torch.equal(out, expected)
+    assert out[0, -1] == stop_token
+
+
+def test_stop_strings_with_tokenizer(enabled):
+    target, assistants = enabled
+    tokenizer = make_tokenizer()
+    ids = prompt(5, seed=5)
+    reference = target.generate(ids, do_sample=False, max_new_tokens=30, eos_token_id=None)
+    word = tokenizer.decode([int(reference[0, ids.shape[1] + 5])])
+    options = dict(do_sample=False, max_new_tokens=30, eos_token_id=None, stop_strings=[word], tokenizer=tokenizer)
+    expected = target.generate(ids, **options)  # plain: enable() routes only calls with a chain
+    out = target.generate(ids, assistant_models=assistants, polybasic_config=CONFIG, **options)
+    assert torch.equal(out, expected)
+    assert tokenizer.decode(out[0, ids.shape[1] :]).endswith(word)
+
+
+def test_custom_logits_processor_is_applied_at_every_level():
+    class BanToken(LogitsProcessor):
+        def __init__(self, token):
+            self.token = token
+
+        def __call__(self, input_ids, scores):
+            scores = scores.clone()
+            scores[:, self.token] = -float("inf")
+            return scores
+
+    target, *assistants = chain()
+    ids = prompt(5, seed=6)
+    plain = target.generate(ids, do_sample=False, max_new_tokens=20, eos_token_id=None)
+    banned = int(plain[0, ids.shape[1] + 2])
+    processors = LogitsProcessorList([BanToken(banned)])
+    reference = target.generate(ids, do_sample=False, max_new_tokens=20, eos_token_id=None, logits_processor=processors)
+    out = polybasic(
+        target, assistants, ids, do_sample=False, max_new_tokens=20, eos_token_id=None, logits_processor=processors
+    )
+    assert torch.equal(out, reference)
+    assert banned not in out[0, ids.shape[1] :].tolist()
+
+
+def test_use_cache_false_gives_the_same_tokens():
+    target, *assistants = chain()
+    ids = prompt(5, seed=7)
+    reference = target.generate(ids, do_sample=False, max_new_tokens=15, eos_token_id=None)
+    out = polybasic(target, assistants, ids, do_sample=False, max_new_tokens=15, eos_token_id=None, use_cache=False)
+    assert torch.equal(out, reference)
+
+
+# --- outputs ---------------------------------------------------------------------------------------
+def test_return_dict_scores_and_logits_match_plain_generate():
+    target, *assistants = chain()
+    ids = prompt(5, seed=8)
+    options = dict(
+        do_sample=False,
+        max_new_tokens=16,
+        eos_token_id=None,
+        repetition_penalty=1.2,
+        return_dict_in_generate=True,
+        output_scores=True,
+        output_logits=True,
+    )
+    reference = target.generate(ids, **options)
+    out = polybasic(target, assistants, ids, **options)
+    assert isinstance(out, hp.PolybasicGenerateOutput)
+    assert torch.equal(out.sequences, reference.sequences)
+    assert len(out.scores) == len(out.logits) == 16
+    for mine, theirs in zip(out.scores, reference.scores):
+        torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-4)
+    for mine, theirs in zip(out.logits, reference.logits):
+        torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-4)
+    assert out.polybasic_stats.new_tokens == 16
+    assert out.past_key_values is not None
+
+
+def test_plain_tensor_output_exposes_stats_through_last_stats():
+    target, *assistants = chain()
+    out = polybasic(target, assistants, prompt(4), do_sample=False, max_new_tokens=8, eos_token_id=None)
+    assert isinstance(out, torch.Tensor)
+    stats = hp.last_stats(target)
+    assert stats.new_tokens == 8
+    assert "M1" in str(stats) and stats.to_dict()["levels"][0]["role"] == "target"
+
+
+# --- batches ------------------------------------------------------------------------------------------
+def test_left_padded_batch_equals_rows_generated_alone():
+    target, *assistants = chain()
+    tokenizer = make_tokenizer()
+    texts = ["hello!there", "ab", "xyz"]
+    batch = tokenizer(texts, return_tensors="pt", padding=True)
+    out = polybasic(target, assistants, **batch, do_sample=False, max_new_tokens=12, eos_token_id=EOS, pad_token_id=PAD)
+    assert out.shape[0] == 3
+    for row, text in enumerate(texts):
+        single = tokenizer(text, return_tensors="pt")
+        alone = target.generate(**single, do_sample=False, max_new_tokens=12, eos_token_id=EOS, pad_token_id=PAD)
+        new = alone[0, single.input_ids.shape[1] :]
+        width = batch.input_ids.shape[1]
+        assert torch.equal(out[row, :width], batch.input_ids[row])
+        assert torch.equal(out[row, width : width + new.shape[0]], new)
+        assert (out[row, width + new.shape[0] :] == PAD).all()
+
+
+def test_num_return_sequences_samples_independent_rows():
+    target, *assistants = chain()
+    ids = prompt(4, seed=9)
+    torch.manual_seed(1)
+    out = polybasic(target, assistants, ids, do_sample=True, max_new_tokens=10, num_return_sequences=4, eos_token_id=None)
+    assert out.shape == (4, ids.shape[1] + 10)
+    assert len({tuple(row.tolist()) for row in out}) > 1
+
+
+def test_right_padding_is_a_clear_error():
+    target, *assistants = chain()
+    ids = torch.tensor([[5, 6, 7], [8, 9, PAD]])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    with pytest.raises(ValueError, match="left padding"):
+        polybasic(target, assistants, ids, attention_mask=mask, do_sample=False, max_new_tokens=3, pad_token_id=PAD)
+
+
+# --- streamers ----------------------------------------------------------------------------------------
+def test_text_streamer_prints_the_generated_text(capsys):
+    target, *assistants = chain()
+    tokenizer = make_tokenizer()
+    ids = prompt(4, seed=10)
+    out = polybasic(
+        target, assistants, ids, do_sample=False, max_new_tokens=10, eos_token_id=None,
+        streamer=TextStreamer(tokenizer, skip_prompt=True),
+    )
+    printed = capsys.readouterr().out
+    assert printed.strip() == tokenizer.decode(out[0, ids.shape[1] :]).strip()
+    assert printed.endswith("\n")  # end() flushes and terminates the line
+
+
+@pytest.mark.parametrize("route", ["custom_generate", "enable"])
+def test_text_iterator_streamer_finishes(route):
+    target, *assistants = chain()
+    tokenizer = make_tokenizer()
+    ids = prompt(4, seed=12)
+    streamer = TextIteratorStreamer(tokenizer, skip_prompt=True, timeout=60)
+    options = dict(do_sample=False, max_new_tokens=12, eos_token_id=None, streamer=streamer)
+    result = {}
+    if route == "enable":
+        hp.enable(target)
+
+        def run():
+            result["out"] = target.generate(ids, assistant_models=assistants, **options)
+    else:
+
+        def run():
+            result["out"] = polybasic(target, assistants, ids, **options)
+
+    try:
+        thread = threading.Thread(target=run)
+        thread.start()
+        text = "".join(streamer)  # raises queue.Empty instead of hanging if end() is never called
+        thread.join()
+    finally:
+        if route == "enable":
+            hp.disable(target)
+    assert text.strip() == tokenizer.decode(result["out"][0, ids.shape[1] :]).strip()
+
+
+# --- pipelines and enable/disable --------------------------------------------------------------------
+def test_pipeline_with_enabled_model_and_batch_size_two(enabled):
+    target, assistants = enabled
+    tokenizer = make_tokenizer()
+    pipe = pipeline("text-generation", model=target, tokenizer=tokenizer)
+    prompts = ["hello", "ab", "world!"]
+    options = dict(do_sample=False, max_new_tokens=8, eos_token_id=None, return_full_text=False)
+    plain = [pipe(p, **options)[0]["generated_text"] for p in prompts]
+    batched = pipe(prompts, batch_size=2, assistant_models=assistants, polybasic_config=CONFIG, **options)
+    assert [r[0]["generated_text"] for r in batched] == plain
+    assert hp.last_stats(target) is not None
+
+
+def test_pipeline_without_enable_through_custom_generate():
+    target, *assistants = chain()
+    tokenizer = make_tokenizer()
+    pipe = pipeline("text-generation", model=target, tokenizer=tokenizer)
+    options = dict(do_sample=False, max_new_tokens=8, eos_token_id=None, return_full_text=False)
+    expected = pipe("hello", **options)
+    got = pipe("hello", custom_generate=hp.generate, assistant_models=assistants, **options)
+    assert got == expected
+
+
+def test_pipeline_with_chat_messages(enabled):
+    target, assistants = enabled
+    pipe = pipeline("text-generation", model=target, tokenizer=make_tokenizer())
+    messages = [{"role": "user", "content": "hello"}]
+    options = dict(do_sample=False, max_new_tokens=6, eos_token_id=None)
+    expected = pipe(messages, **options)
+    assert pipe(messages, assistant_models=assistants, **options) == expected
+
+
+def test_enable_with_a_default_chain_and_disable():
+    target, *assistants = chain()
+    ids = prompt(5, seed=13)
+    plain_generate = target.generate
+    reference = target.generate(ids, do_sample=False, max_new_tokens=10, eos_token_id=None)
+    hp.enable(target, assistant_models=assistants, polybasic_config=CONFIG)
+    try:
+        out = target.generate(ids, do_sample=False, max_new_tokens=10, eos_token_id=None)
+        assert torch.equal(out, reference)
+        assert hp.last_stats(target).levels[1].role == "intermediate"
+    finally:
+        hp.disable(target)
+    assert target.generate.__func__ is plain_generate.__func__
+    with pytest.raises(ValueError, match="not enabled"):
+        hp.disable(target)
+
+
+def test_importing_patches_nothing():
+    target, *_ = chain()
+    assert "generate" not in vars(target)
+
+
+# --- config stored in the generation config --------------------------------------------------------
+def test_config_saved_with_the_model_is_the_default_after_reload(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    target, *assistants = chain()
+    config = hp.PolybasicConfig(num_draft_tokens=2, block_threshold=(3,))
+    fresh = type(target)(target.config).eval()
+    fresh.load_state_dict(target.state_dict())
+    config.save_to(fresh.generation_config)
+    fresh.save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert hp.PolybasicConfig.from_generation_config(loaded.generation_config) == config
+    out = loaded.generate(
+        prompt(4),
+        custom_generate=hp.generate,
+        assistant_models=assistants,
+        do_sample=False,
+        max_new_tokens=12,
+        eos_token_id=None,
+        return_dict_in_generate=True,
+    )
+    middle = out.polybasic_stats.levels[1]
+    # the stored K = 2 is in force: the drafter never proposes more than 2 tokens per round
+    assert 0 < middle.drafted <= 2 * middle.verifications
+    assert max(middle.acceptance_lengths) <= 3

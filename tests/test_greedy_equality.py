@@ -1,0 +1,104 @@
+"""Greedy decoding through any chain equals the target's own greedy `generate`, token for token."""
+
+import functools
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from tiny import EOS, make_chain, prompt
+
+import hf_polybasic as hp
+
+ARCHITECTURES = ["llama", "qwen2", "gemma3"]  # gemma3: sliding window of 6, far shorter than the outputs
+
+
+@functools.lru_cache(maxsize=None)
+def chain_of(arch: str, depth: int):
+    return make_chain(arch, depth, seed=7)
+
+
+def _greedy(target, ids, **kwargs):
+    return target.generate(ids, do_sample=False, **kwargs)
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+@given(
+    depth=st.integers(2, 4),
+    k=st.integers(1, 6),
+    mu=st.integers(1, 10),
+    prompt_length=st.integers(1, 12),
+    budget=st.integers(1, 40),
+    eos_step=st.one_of(st.none(), st.integers(0, 39)),
+    seed=st.integers(0, 1000),
+)
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+def test_greedy_output_equals_plain_generate(arch, depth, k, mu, prompt_length, budget, eos_step, seed):
+    target, *assistants = chain_of(arch, depth)
+    ids = prompt(prompt_length, seed=seed)
+    reference = _greedy(target, ids, max_new_tokens=budget, eos_token_id=EOS)
+    eos = EOS
+    if eos_step is not None and eos_step < reference.shape[1] - ids.shape[1]:
+        # make a token the target really produces the EOS token, so generation stops mid-output
+        eos = int(reference[0, ids.shape[1] + eos_step])
+        reference = _greedy(target, ids, max_new_tokens=budget, eos_token_id=[eos, EOS])
+    out = _greedy(
+        target,
+        ids,
+        max_new_tokens=budget,
+        eos_token_id=[eos, EOS],
+        custom_generate=hp.generate,
+        assistant_models=assistants,
+        polybasic_config=hp.PolybasicConfig(num_draft_tokens=k, block_threshold=mu),
+    )
+    assert torch.equal(out, reference)
+    assert out.shape[1] - ids.shape[1] <= budget
+
+
+@pytest.mark.parametrize("depth", [2, 3, 4])
+def test_greedy_equality_with_every_prefix_dependent_processor(depth):
+    target, *assistants = chain_of("llama", depth)
+    ids = prompt(4, seed=3)
+    options = dict(
+        max_new_tokens=30,
+        min_new_tokens=25,
+        repetition_penalty=1.3,
+        no_repeat_ngram_size=2,
+        eos_token_id=EOS,
+    )
+    reference = _greedy(target, ids, **options)
+    out = _greedy(target, ids, custom_generate=hp.generate, assistant_models=assistants, **options)
+    assert torch.equal(out, reference)
+
+
+def test_statistics_count_what_happened():
+    target, m2, m3 = chain_of("llama", 3)
+    ids = prompt(5, seed=1)
+    out = _greedy(
+        target,
+        ids,
+        max_new_tokens=30,
+        min_new_tokens=30,
+        custom_generate=hp.generate,
+        assistant_models=[m2, m3],
+        polybasic_config=hp.PolybasicConfig(num_draft_tokens=3, block_threshold=4),
+        return_dict_in_generate=True,
+    )
+    stats = out.polybasic_stats
+    assert hp.last_stats(target) is stats
+    top, middle, bottom = stats.levels
+    assert [level.role for level in stats.levels] == ["target", "intermediate", "drafter"]
+    assert stats.new_tokens == 30
+    # every new token is emitted by exactly one target verification: accepted + 1 per round
+    assert sum(top.acceptance_lengths) == 30
+    assert top.forward_passes == top.verifications == len(top.acceptance_lengths)
+    assert top.mean_acceptance_length == pytest.approx(30 / top.verifications)
+    # what a level hands up is what the level above receives
+    assert middle.proposed == top.drafted
+    assert bottom.proposed == middle.drafted
+    assert middle.forward_passes == middle.verifications
+    # the drafter runs one forward per drafted token, plus catch-up after rollbacks is included
+    assert bottom.forward_passes >= 1 and bottom.verifications == 0
+    assert all(level.seconds > 0 for level in stats.levels)
+    # an intermediate level hands up at least mu tokens unless the budget or EOS ended the block
+    assert top.drafted >= 4 * (top.verifications - 1)

@@ -1,0 +1,137 @@
+"""The acceptance math alone, without models: exact outputs and distributions over many samples."""
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from scipy.stats import chisquare
+
+from hf_polybasic.verify import (
+    align_vocabulary,
+    count_leading_true,
+    greedy_verify,
+    point_mass_verify,
+    speculative_verify,
+)
+
+SAMPLES = 20_000
+ALPHA = 1e-3
+
+
+def _random_distribution(vocab: int, generator: torch.Generator, sharpness: float = 2.0) -> torch.Tensor:
+    return torch.softmax(sharpness * torch.randn(vocab, generator=generator), -1)
+
+
+def _first_token_counts(verify, p: torch.Tensor, q: torch.Tensor | None, draw, vocab: int) -> np.ndarray:
+    """Histogram of the first emitted token over SAMPLES one-token drafts."""
+    counts = np.zeros(vocab)
+    target = torch.stack([p, p])  # position 0 and the bonus position
+    for _ in range(SAMPLES):
+        draft = draw()
+        num_accepted, next_token = verify(draft, q, target)
+        first = int(draft[0]) if num_accepted >= 1 else next_token
+        counts[first] += 1
+    return counts
+
+
+def _chi_square_p(counts: np.ndarray, expected_probs: np.ndarray) -> float:
+    expected_probs = np.asarray(expected_probs, dtype=np.float64)
+    expected = expected_probs / expected_probs.sum() * counts.sum()
+    keep = expected > 0
+    assert counts[~keep].sum() == 0, "a token with zero target probability was emitted"
+    return chisquare(counts[keep], expected[keep]).pvalue
+
+
+def test_count_leading_true():
+    assert count_leading_true(torch.tensor([True, True, False, True])) == 2
+    assert count_leading_true(torch.tensor([False, True])) == 0
+    assert count_leading_true(torch.tensor([True, True])) == 2
+    assert count_leading_true(torch.tensor([], dtype=torch.bool)) == 0
+
+
+@pytest.mark.parametrize("vocab", [2, 6])
+def test_speculative_sampling_emits_the_target_distribution(vocab):
+    torch.manual_seed(0)
+    generator = torch.Generator().manual_seed(vocab)
+    p, q = _random_distribution(vocab, generator), _random_distribution(vocab, generator)
+    counts = _first_token_counts(
+        speculative_verify, p, q.unsqueeze(0), lambda: torch.multinomial(q, 1), vocab
+    )
+    assert _chi_square_p(counts, p.numpy()) > ALPHA
+
+
+def test_speculative_sampling_negative_control_wrong_proposal_is_detected():
+    """Drafts drawn from q but reported as coming from another q' must fail the same test."""
+    torch.manual_seed(1)
+    vocab = 6
+    generator = torch.Generator().manual_seed(11)
+    p, q, wrong = (_random_distribution(vocab, generator) for _ in range(3))
+    counts = _first_token_counts(
+        speculative_verify, p, wrong.unsqueeze(0), lambda: torch.multinomial(q, 1), vocab
+    )
+    assert _chi_square_p(counts, p.numpy()) < ALPHA
+
+
+def test_point_mass_rule_emits_the_target_distribution():
+    torch.manual_seed(2)
+    vocab = 5
+    p = _random_distribution(vocab, torch.Generator().manual_seed(3))
+    counts = _first_token_counts(speculative_verify, p, None, lambda: torch.tensor([1]), vocab)
+    assert _chi_square_p(counts, p.numpy()) > ALPHA
+
+
+def test_second_position_is_conditionally_exact():
+    """With two draft positions, the token emitted at position 2 (given position 1 kept) is p2."""
+    torch.manual_seed(4)
+    vocab = 4
+    generator = torch.Generator().manual_seed(5)
+    p1, p2, p3 = (_random_distribution(vocab, generator, 1.0) for _ in range(3))
+    q1, q2 = (_random_distribution(vocab, generator, 1.0) for _ in range(2))
+    target = torch.stack([p1, p2, p3])
+    proposal = torch.stack([q1, q2])
+    counts = np.zeros(vocab)
+    for _ in range(SAMPLES):
+        draft = torch.cat([torch.multinomial(q1, 1), torch.multinomial(q2, 1)])
+        num_accepted, next_token = speculative_verify(draft, proposal, target)
+        if num_accepted >= 1:
+            counts[int(draft[1]) if num_accepted == 2 else next_token] += 1
+    assert _chi_square_p(counts, p2.numpy()) > ALPHA
+
+
+def test_all_accepted_draws_the_bonus_from_the_last_row():
+    p = torch.tensor([[0.0, 1.0, 0.0], [0.0, 0.0, 1.0]])
+    assert speculative_verify(torch.tensor([1]), p[:1].clone(), p) == (1, 2)
+    assert point_mass_verify(torch.tensor([1]), p) == (1, 2)
+
+
+@given(
+    draft=st.lists(st.integers(0, 7), min_size=0, max_size=6),
+    seed=st.integers(0, 2**16),
+)
+@settings(max_examples=60, deadline=None)
+def test_greedy_verify_accepts_exactly_the_matching_prefix(draft, seed):
+    scores = torch.randn(len(draft) + 1, 8, generator=torch.Generator().manual_seed(seed))
+    choice = scores.argmax(-1).tolist()
+    num_accepted, next_token = greedy_verify(torch.tensor(draft, dtype=torch.long), scores)
+    expected = 0
+    while expected < len(draft) and draft[expected] == choice[expected]:
+        expected += 1
+    assert num_accepted == expected
+    assert next_token == choice[expected]
+
+
+def test_drafts_outside_the_verifier_vocabulary_are_rejected():
+    target = torch.tensor([[0.5, 0.5], [0.5, 0.5]])
+    # the proposal lives on a padded 4-token vocabulary and drafted id 3, which the verifier lacks
+    proposal = torch.tensor([[0.0, 0.0, 0.0, 1.0]])
+    num_accepted, next_token = speculative_verify(torch.tensor([3]), proposal, target)
+    assert num_accepted == 0 and next_token in (0, 1)
+    assert greedy_verify(torch.tensor([3]), target)[0] == 0
+
+
+def test_align_vocabulary_slices_without_renormalising_and_pads_with_zero():
+    probs = torch.tensor([[0.25, 0.25, 0.5]])
+    assert torch.equal(align_vocabulary(probs, 2), torch.tensor([[0.25, 0.25]]))
+    assert torch.equal(align_vocabulary(probs, 4), torch.tensor([[0.25, 0.25, 0.5, 0.0]]))
+    assert align_vocabulary(probs, 3) is probs
