@@ -4,7 +4,7 @@ import functools
 
 import pytest
 import torch
-from tiny import make_chain, make_target, noisy_copy, prompt
+from hf_polybasic.testing import make_chain, make_target, noisy_copy, prompt
 from transformers import DynamicCache, StaticCache
 
 import hf_polybasic as hp
@@ -166,7 +166,7 @@ def test_enable_rejects_non_generation_models():
 
 
 def test_streamer_with_a_batch_is_refused():
-    from tiny import make_tokenizer
+    from hf_polybasic.testing import make_tokenizer
     from transformers import TextStreamer
 
     target = chain()[0]

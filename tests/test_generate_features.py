@@ -5,7 +5,7 @@ import threading
 
 import pytest
 import torch
-from tiny import EOS, PAD, make_chain, make_tokenizer, prompt
+from hf_polybasic.testing import EOS, PAD, make_chain, make_tokenizer, prompt
 from transformers import (
     LogitsProcessor,
     LogitsProcessorList,

@@ -6,7 +6,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from tiny import EOS, make_chain, prompt
+from hf_polybasic.testing import EOS, make_chain, prompt
 
 import hf_polybasic as hp
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 from scipy.stats import chisquare
-from tiny import make_target, noisy_copy, prompt
+from hf_polybasic.testing import make_target, noisy_copy, prompt
 
 import hf_polybasic as hp
 from hf_polybasic import engine

@@ -1,5 +1,9 @@
-"""Tiny random models built in code (no network): a target and noisy copies standing in for
-cheaper models of the same family, so drafts are often, but not always, accepted."""
+"""Tiny random models and a tokenizer built in code (no downloads), for tests, docs and examples.
+
+`make_chain` gives a target and noisy copies of it standing in for cheaper models of the same
+family, so drafts are often, but not always, accepted. `make_tokenizer` is a character-level
+tokenizer over the same tiny vocabulary, so pipelines, streamers and stop strings work.
+"""
 
 from __future__ import annotations
 
