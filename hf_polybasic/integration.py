@@ -20,11 +20,11 @@ from transformers import GenerationMixin
 from transformers.generation import GenerateDecoderOnlyOutput, StoppingCriteriaList, StopStringCriteria
 
 from .cache import new_cache
-from .compat import streamer_of_calling_generate, warn_if_untested
+from .compat import prepared_pad_token_id, streamer_of_calling_generate, warn_if_untested
 from .config import PolybasicConfig
 from .engine import build_chain, timed_decode
 from .levels import DecodingRules
-from .processing import reject_stateful_processors
+from .processing import processors_for_row, reject_stateful_processors
 from .stats import PolybasicStats
 
 # model_kwargs that `generate` prepares and the engine understands (it recomputes positions per row)
@@ -205,11 +205,6 @@ def generate(
     reject_stateful_processors(logits_processor)
     config.thresholds_for(len(assistants) - 1)  # validates a per-level mu sequence before any work
 
-    rules = DecodingRules(
-        processors=logits_processor,
-        do_sample=bool(generation_config.do_sample),
-        eos_token_ids=_as_id_set(generation_config.eos_token_id),
-    )
     rows = _row_prompts(input_ids, model_kwargs.get("attention_mask"))
     if len(rows) > 1 and streamer is not None:
         raise ValueError("streamers support batch size 1 only (as in transformers); stream one prompt at a time")
@@ -218,6 +213,7 @@ def generate(
     if given_cache is not None and given_cache.get_seq_length() > 0 and len(rows) > 1:
         raise ValueError("a pre-filled past_key_values can only be continued with a single prompt")
 
+    eos_token_ids = _as_id_set(generation_config.eos_token_id)
     keep_scores = return_dict and bool(generation_config.output_scores)
     keep_logits = return_dict and bool(generation_config.output_logits)
     total_stats: PolybasicStats | None = None
@@ -229,13 +225,19 @@ def generate(
             target_cache = given_cache
         else:
             target_cache = new_cache(model)
+        removed_padding = input_ids.shape[1] - row.shape[1]
+        rules = DecodingRules(
+            processors=processors_for_row(logits_processor, removed_padding),
+            do_sample=bool(generation_config.do_sample),
+            eos_token_ids=eos_token_ids,
+        )
         top, stats = build_chain(model, assistants, config, rules, target_cache)
         results.append(
             timed_decode(
                 top,
                 stats,
                 row,
-                max_length=generation_config.max_length - (input_ids.shape[1] - row.shape[1]),
+                max_length=generation_config.max_length - removed_padding,
                 stopping_criteria=stopping_criteria,
                 streamer=streamer,
                 keep_scores=keep_scores,
@@ -263,9 +265,7 @@ def generate(
 
 
 def _pad_token_id(generation_config) -> int:
-    pad = getattr(generation_config, "_pad_token_tensor", None)
-    if pad is None:
-        pad = generation_config.pad_token_id
+    pad = prepared_pad_token_id(generation_config)
     if pad is None:
         eos = sorted(_as_id_set(generation_config.eos_token_id))
         pad = eos[0] if eos else 0
@@ -315,7 +315,7 @@ def enable(model, assistant_models: Sequence[torch.nn.Module] | None = None, pol
 
     @functools.wraps(plain_generate)
     def polybasic_model_generate(*args, **kwargs):
-        chain = kwargs.pop("assistant_models", None) or assistant_models
+        chain = kwargs.pop("assistant_models", assistant_models)
         if chain is None:
             if kwargs.get("polybasic_config") is not None:
                 raise ValueError("`polybasic_config` was given without `assistant_models`; pass the chain too")

@@ -8,6 +8,8 @@ processed with ``sequence[:, :start + j]``, exactly as `_sample` would have seen
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from transformers.generation import logits_process as lp
 
@@ -32,6 +34,31 @@ STATEFUL_PROCESSORS: tuple[type, ...] = (
     lp.ClassifierFreeGuidanceLogitsProcessor,
     lp.UnbatchedClassifierFreeGuidanceLogitsProcessor,
 )
+
+
+# Processors that count positions from the start of the padded batch `generate` saw, with the
+# attribute holding the position. A row decoded without its left padding shifts them, so that the
+# number of *new* tokens they allow is the batch's (`min_new_tokens` becomes `min_length` there).
+PROMPT_LENGTH_ATTRIBUTES: dict[type, str] = {
+    lp.MinLengthLogitsProcessor: "min_length",
+    lp.MinNewTokensLengthLogitsProcessor: "prompt_length_to_skip",
+    lp.ExponentialDecayLengthPenalty: "regulation_start",
+    lp.SuppressTokensAtBeginLogitsProcessor: "begin_index",
+}
+
+
+def processors_for_row(processors: lp.LogitsProcessorList, removed_padding: int) -> lp.LogitsProcessorList:
+    """The processors for one row of a batch, ``removed_padding`` left-padding tokens shorter."""
+    if removed_padding == 0:
+        return processors
+    shifted = lp.LogitsProcessorList()
+    for processor in processors:
+        attribute = PROMPT_LENGTH_ATTRIBUTES.get(type(processor))
+        if attribute is not None:
+            processor = copy.copy(processor)
+            setattr(processor, attribute, getattr(processor, attribute) - removed_padding)
+        shifted.append(processor)
+    return shifted
 
 
 def reject_stateful_processors(processors: lp.LogitsProcessorList) -> None:

@@ -180,6 +180,27 @@ def test_left_padded_batch_equals_rows_generated_alone():
         assert (out[row, width + new.shape[0] :] == PAD).all()
 
 
+def test_min_new_tokens_counts_new_tokens_of_each_padded_row():
+    target, *assistants = chain()
+    tokenizer = make_tokenizer()
+    texts = ["hello!there", "ab", "xyz"]
+    batch = tokenizer(texts, return_tensors="pt", padding=True)
+    singles = [tokenizer(text, return_tensors="pt") for text in texts]
+    # the short row "ab" (9 padding tokens in the batch): pick a token it first produces at step
+    # k >= 3, make it the EOS and ask for min_new_tokens=k, so alone it stops after exactly k + 1
+    # tokens; counting its padding as new tokens would keep it going 9 steps longer
+    free = target.generate(**singles[1], do_sample=False, max_new_tokens=12, eos_token_id=None)[0, 2:].tolist()
+    k = next(i for i, token in enumerate(free) if i >= 3 and token not in free[:i])
+    options = dict(do_sample=False, max_new_tokens=14, min_new_tokens=k, eos_token_id=free[k], pad_token_id=PAD)
+    alone = [target.generate(**single, **options)[0, single.input_ids.shape[1] :] for single in singles]
+    assert alone[1].shape[0] == k + 1
+    out = polybasic(target, assistants, **batch, **options)
+    width = batch.input_ids.shape[1]
+    for row, tokens in enumerate(alone):
+        assert torch.equal(out[row, width : width + tokens.shape[0]], tokens)
+        assert (out[row, width + tokens.shape[0] :] == PAD).all()
+
+
 def test_num_return_sequences_samples_independent_rows():
     target, *assistants = chain()
     ids = prompt(4, seed=9)
