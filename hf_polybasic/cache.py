@@ -22,7 +22,7 @@ import time
 import torch
 from transformers.cache_utils import Cache, DynamicCache, DynamicIndexedLayer, DynamicLayer, DynamicSlidingWindowLayer
 
-from .compat import trim_sliding_layer_tail
+from .compat import is_stateful, trim_sliding_layer_tail
 
 ROLLBACK_LAYER_TYPES = (DynamicLayer, DynamicSlidingWindowLayer, DynamicIndexedLayer)
 
@@ -36,7 +36,7 @@ def model_label(model: torch.nn.Module) -> str:
 def check_rollback_support(model: torch.nn.Module, cache: Cache, role: str) -> None:
     """Raise a clear error if `cache` cannot be rolled back token by token."""
     label = model_label(model)
-    if getattr(model, "_is_stateful", False):
+    if is_stateful(model):
         raise ValueError(
             f"{role} {label} is stateful (recurrent/SSM state); its state cannot be rolled back after a rejected draft, "
             "so it cannot be part of a speculative chain"

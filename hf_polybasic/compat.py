@@ -7,6 +7,11 @@
   `GenerationMixin.generate` frame that called a `custom_generate` callable, because transformers
   5.23 never passes the streamer to such callables (it calls ``streamer.put(prompt)`` and then
   drops it, so a `TextIteratorStreamer` would wait forever). Tested by the streamer tests.
+* `prepared_pad_token_id`: `GenerationConfig._pad_token_tensor`, the pad id `generate` settled on
+  (it falls back to EOS). Tested by the batch tests.
+* `mark_as_user_config`: clears `GenerationConfig._from_model_config`, without which transformers
+  drops custom entries on reload. Tested by the save/reload test.
+* `is_stateful`: `PreTrainedModel._is_stateful` (recurrent models). Tested by the error tests.
 """
 
 from __future__ import annotations
@@ -71,3 +76,19 @@ def streamer_of_calling_generate(max_depth: int = 6):
         if frame.f_code.co_name == "generate" and frame.f_globals.get("__name__") == "transformers.generation.utils":
             return frame.f_locals.get("streamer")
     return None
+
+
+def prepared_pad_token_id(generation_config):
+    """The pad id `generate` prepared (a tensor or None), else the configured one."""
+    prepared = getattr(generation_config, "_pad_token_tensor", None)
+    return prepared if prepared is not None else generation_config.pad_token_id
+
+
+def mark_as_user_config(generation_config) -> None:
+    """Make transformers keep custom entries of this generation config when it is reloaded."""
+    generation_config._from_model_config = False
+
+
+def is_stateful(model) -> bool:
+    """Whether transformers marks the model as carrying recurrent state that cannot be rolled back."""
+    return bool(getattr(model, "_is_stateful", False))

@@ -20,6 +20,8 @@ import json
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from .compat import mark_as_user_config
+
 VERIFICATION_RULES = ("auto", "greedy")
 
 GENERATION_CONFIG_KEY = "polybasic_config"
@@ -113,7 +115,7 @@ class PolybasicConfig:
         custom entries when it reloads a config marked ``_from_model_config``.
         """
         setattr(generation_config, GENERATION_CONFIG_KEY, self.to_dict())
-        generation_config._from_model_config = False
+        mark_as_user_config(generation_config)
 
     @classmethod
     def from_generation_config(cls, generation_config) -> PolybasicConfig | None:

@@ -160,6 +160,16 @@ def test_enabled_model_rejects_mixing_with_hf_assistant_model():
         hp.disable(target)
 
 
+def test_enabled_model_with_an_explicitly_empty_chain_is_an_error():
+    target = chain()[0]
+    hp.enable(target, assistant_models=list(chain()[1:]))
+    try:
+        with pytest.raises(ValueError, match="is empty"):
+            target.generate(prompt(4), assistant_models=[], max_new_tokens=3)
+    finally:
+        hp.disable(target)
+
+
 def test_enable_rejects_non_generation_models():
     with pytest.raises(TypeError, match="generation model"):
         hp.enable(torch.nn.Linear(2, 2))
