@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass
 
 import torch
+import transformers
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from .config import PolybasicConfig
@@ -66,6 +67,8 @@ def build_demo_models(hidden_size: int = 512, layers: int = 16, vocab: int = 204
 
 
 def _timed(fn, repeats: int) -> tuple[torch.Tensor, float]:
+    """Output and median wall time of ``repeats`` runs after one untimed warm-up run."""
+    fn()
     times, out = [], None
     for _ in range(repeats):
         started = time.perf_counter()
@@ -74,9 +77,23 @@ def _timed(fn, repeats: int) -> tuple[torch.Tensor, float]:
     return out, statistics.median(times)
 
 
+def _hf_assisted(models: DemoModels, prompt: torch.Tensor, options: dict, num_draft_tokens: int):
+    """transformers' own `assistant_model=` with the same pair and a fixed draft length K (constant
+    schedule, no confidence threshold), for a like-for-like comparison with our two-model mode."""
+    assistant = models.one_layer
+    assistant.generation_config.num_assistant_tokens = num_draft_tokens
+    assistant.generation_config.num_assistant_tokens_schedule = "constant"
+    assistant.generation_config.assistant_confidence_threshold = 0.0
+    verbosity = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()  # silence its per-round deprecation warning about its own call
+    try:
+        return models.target.generate(prompt, assistant_model=assistant, **options)
+    finally:
+        transformers.logging.set_verbosity(verbosity)
+
+
 def run_demo(max_new_tokens: int = 64, repeats: int = 3, seed: int = 0) -> int:
-    """Print the comparison; return 0 if every chain reproduced plain greedy generate exactly."""
-    torch.set_num_threads(max(1, torch.get_num_threads()))
+    """Print the comparison; return 0 if every method reproduced plain greedy generate exactly."""
     models = build_demo_models(seed=seed)
     prompt = torch.randint(3, models.target.config.vocab_size, (1, 16), generator=torch.Generator().manual_seed(seed))
     options = dict(do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=None)
@@ -84,6 +101,20 @@ def run_demo(max_new_tokens: int = 64, repeats: int = 3, seed: int = 0) -> int:
     print("checks exactness; its speed numbers say nothing about real models.\n")
 
     plain, plain_time = _timed(lambda: models.target.generate(prompt, **options), repeats)
+    print(f"plain greedy generate: {max_new_tokens / plain_time:.1f} tokens/s (median of {repeats})\n")
+
+    def report(title: str, out: torch.Tensor, seconds: float) -> bool:
+        equal = torch.equal(out, plain)
+        print(title)
+        print(f"  identical to plain greedy: {equal}")
+        print(f"  {max_new_tokens / seconds:.1f} tokens/s, {plain_time / seconds:.2f}x plain (median of {repeats})")
+        return equal
+
+    all_equal = report(
+        "HF assisted generation: target <- 1-layer early exit (assistant_model=, K=4 constant)",
+        *_timed(lambda: _hf_assisted(models, prompt, options, num_draft_tokens=4), repeats),
+    )
+    print()
     chains = {
         "2 models: target <- 1-layer early exit": ([models.one_layer], PolybasicConfig(num_draft_tokens=4)),
         "2 models: target <- half-depth early exit": ([models.half_depth], PolybasicConfig(num_draft_tokens=6)),
@@ -92,8 +123,6 @@ def run_demo(max_new_tokens: int = 64, repeats: int = 3, seed: int = 0) -> int:
             PolybasicConfig(num_draft_tokens=4, block_threshold=12),
         ),
     }
-    print(f"plain greedy generate: {max_new_tokens / plain_time:.1f} tokens/s (median of {repeats})\n")
-    all_equal = True
     for title, (assistants, config) in chains.items():
         out, seconds = _timed(
             lambda: models.target.generate(
@@ -101,10 +130,6 @@ def run_demo(max_new_tokens: int = 64, repeats: int = 3, seed: int = 0) -> int:
             ),
             repeats,
         )
-        equal = torch.equal(out, plain)
-        all_equal &= equal
-        print(f"{title}  ({config})")
-        print(f"  identical to plain greedy: {equal}")
-        print(f"  {max_new_tokens / seconds:.1f} tokens/s, {plain_time / seconds:.2f}x plain (median of {repeats})")
+        all_equal &= report(f"{title}  ({config})", out, seconds)
         print("  " + str(last_stats(models.target)).replace("\n", "\n  ") + "\n")
     return 0 if all_equal else 1
