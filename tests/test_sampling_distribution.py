@@ -22,7 +22,7 @@ from hf_polybasic.levels import ModelDrafter
 
 VOCAB = 8
 STEPS = 3
-SAMPLES = 3000
+SAMPLES = 2000
 ALPHA = 1e-3
 
 SETTINGS = {
