@@ -34,23 +34,25 @@ def model_label(model: torch.nn.Module) -> str:
 
 
 def check_rollback_support(model: torch.nn.Module, cache: Cache, role: str) -> None:
-    """Raise a clear error if `cache` cannot be rolled back token by token."""
-    label = model_label(model)
+    """Raise a clear error if `cache` cannot be rolled back token by token.
+
+    ``role`` names the model in messages, e.g. "target M1 LlamaForCausalLM".
+    """
     if is_stateful(model):
         raise ValueError(
-            f"{role} {label} is stateful (recurrent/SSM state); its state cannot be rolled back after a rejected draft, "
+            f"{role} is stateful (recurrent/SSM state); its state cannot be rolled back after a rejected draft, "
             "so it cannot be part of a speculative chain"
         )
     if type(cache) is not DynamicCache:
         raise ValueError(
-            f"{role} {label} uses a {type(cache).__name__}, which cannot be rolled back token by token "
+            f"{role} uses a {type(cache).__name__}, which cannot be rolled back token by token "
             "(static and quantized caches have no exact crop); use the default DynamicCache "
             "(do not set cache_implementation / pass another cache type)"
         )
     for index, layer in enumerate(cache.layers):
         if type(layer) not in ROLLBACK_LAYER_TYPES:
             raise ValueError(
-                f"{role} {label}: cache layer {index} is a {type(layer).__name__} (recurrent or linear-attention state), "
+                f"{role}: cache layer {index} is a {type(layer).__name__} (recurrent or linear-attention state), "
                 "which cannot be rolled back after a rejected draft; such models cannot be part of a speculative chain"
             )
 

@@ -102,10 +102,12 @@ class PolybasicConfig:
         return cls(**data)
 
     def to_json(self) -> str:
+        """`to_dict` as a JSON string (sorted keys)."""
         return json.dumps(self.to_dict(), sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str) -> PolybasicConfig:
+        """Inverse of `to_json`."""
         return cls.from_dict(json.loads(text))
 
     def save_to(self, generation_config) -> None:

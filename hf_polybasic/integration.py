@@ -38,7 +38,12 @@ MAX_VOCAB_PADDING_FRACTION = 0.01
 
 @dataclass
 class PolybasicGenerateOutput(GenerateDecoderOnlyOutput):
-    """HF's `GenerateDecoderOnlyOutput` plus the per-level statistics of the call."""
+    """HF's `GenerateDecoderOnlyOutput` plus the per-level statistics of the call.
+
+    Attributes:
+        polybasic_stats: forward passes, drafted/accepted tokens, acceptance lengths and time of
+            every model of the chain (see `PolybasicStats`); the same object as `last_stats(model)`.
+    """
 
     polybasic_stats: PolybasicStats | None = None
 
@@ -113,7 +118,7 @@ def _check_vocabularies(target, assistants) -> None:
                 )
 
 
-def validate_generation_config(generation_config, return_dict: bool) -> None:
+def validate_generation_config(generation_config) -> None:
     """Reject options that speculative decoding cannot honour, instead of ignoring them."""
     if generation_config.num_beams is not None and generation_config.num_beams > 1:
         raise ValueError(
@@ -130,10 +135,6 @@ def validate_generation_config(generation_config, return_dict: bool) -> None:
                 f"`{name}` selects one of transformers' own assisted-generation modes, which hf_polybasic replaces; "
                 "put the drafter in `assistant_models` instead"
             )
-    if return_dict:
-        for name in ("output_attentions", "output_hidden_states"):
-            if getattr(generation_config, name, False):
-                raise NotImplementedError(f"`{name}=True` is not supported by hf_polybasic; use plain generate for it")
 
 
 def resolve_config(polybasic_config, generation_config) -> PolybasicConfig:
@@ -193,14 +194,17 @@ def generate(
         streamer = streamer_of_calling_generate()
     if synced_gpus:
         raise NotImplementedError("synced_gpus (DeepSpeed ZeRO-3 / FSDP) is not supported by hf_polybasic")
-    unknown = sorted(set(model_kwargs) - HANDLED_MODEL_KWARGS)
+    for name in ("output_attentions", "output_hidden_states"):
+        if model_kwargs.get(name) or getattr(generation_config, name, False):
+            raise NotImplementedError(f"`{name}=True` is not supported by hf_polybasic; use plain generate for it")
+    unknown = sorted(set(model_kwargs) - HANDLED_MODEL_KWARGS - {"output_attentions", "output_hidden_states"})
     if unknown:
         raise ValueError(
             f"hf_polybasic does not support these generate arguments: {unknown} (text-only decoder inputs are supported)"
         )
     assistants = validate_assistant_models(model, assistant_models)
     return_dict = bool(generation_config.return_dict_in_generate)
-    validate_generation_config(generation_config, return_dict)
+    validate_generation_config(generation_config)
     config = resolve_config(polybasic_config, generation_config)
     reject_stateful_processors(logits_processor)
     config.thresholds_for(len(assistants) - 1)  # validates a per-level mu sequence before any work

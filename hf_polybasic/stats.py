@@ -70,13 +70,24 @@ class LevelStats:
 
 @dataclass
 class PolybasicStats:
-    """Statistics of one `generate` call: `levels[0]` is the target M1, then M2, ... Mn."""
+    """Statistics of one `generate` call.
+
+    Attributes:
+        levels: one `LevelStats` per model: ``levels[0]`` is the target M1, then M2, ... Mn.
+        new_tokens: tokens generated (summed over rows for a batch).
+        seconds: wall time of the decoding (summed over rows), excluding `generate`'s preparation.
+
+    A verification that a stopping criterion (EOS, stop string, ...) cuts short is still counted
+    whole in the target's ``acceptance_lengths``, so their sum may exceed ``new_tokens`` by the
+    tokens cut from the last block.
+    """
 
     levels: list[LevelStats]
     new_tokens: int = 0
     seconds: float = 0.0
 
     def to_dict(self) -> dict:
+        """Plain data (JSON-serialisable), with each level's derived L_i and acceptance rate added."""
         out = asdict(self)
         for level, row in zip(self.levels, out["levels"]):
             row["mean_acceptance_length"] = level.mean_acceptance_length
@@ -84,6 +95,7 @@ class PolybasicStats:
         return out
 
     def merge(self, other: PolybasicStats) -> None:
+        """Add another row's statistics of the same chain (batches are decoded row by row)."""
         for mine, theirs in zip(self.levels, other.levels):
             mine.merge(theirs)
         self.new_tokens += other.new_tokens

@@ -47,7 +47,7 @@ def _config(arch: str, vocab: int = VOCAB, layers: int = 2, sliding_window: int 
         return Gemma3ForCausalLM, Gemma3TextConfig(
             **common, head_dim=8, sliding_window=sliding_window, layer_types=["sliding_attention", "full_attention"] * (layers // 2)
         )
-    raise ValueError(arch)
+    raise ValueError(f"unknown tiny architecture {arch!r}; choose 'llama', 'qwen2' or 'gemma3'")
 
 
 def make_target(arch: str = "llama", seed: int = 0, vocab: int = VOCAB, logit_scale: float = 4.0, **extra):
