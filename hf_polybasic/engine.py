@@ -37,12 +37,15 @@ def build_chain(
     roles = ["target"] + ["intermediate"] * (len(assistant_models) - 1) + ["drafter"]
     stats = PolybasicStats(levels=[LevelStats(name=name, role=role) for name, role in zip(names, roles)])
 
+    greedy_intermediates = config.verification == "greedy"
     drafter_model = assistant_models[-1]
     level = ModelDrafter(
         CachedModel(drafter_model, new_cache(drafter_model), role=f"assistant {names[-1]}"),
         rules,
         config.num_draft_tokens,
         stats.levels[-1],
+        # below a greedy intermediate level, sampled drafts would only lower its acceptance
+        greedy_drafts=greedy_intermediates and len(assistant_models) > 1,
     )
     thresholds = config.thresholds_for(len(assistant_models) - 1)
     for index in range(len(assistant_models) - 2, -1, -1):  # intermediate levels, bottom-up
@@ -53,7 +56,7 @@ def build_chain(
             rules,
             stats.levels[index + 1],
             block_threshold=thresholds[index],
-            greedy_proposals=config.verification == "greedy",
+            greedy_proposals=greedy_intermediates,
         )
     top = VerifyingLevel(CachedModel(target, target_cache, role=f"target {names[0]}"), level, rules, stats.levels[0])
     return top, stats

@@ -77,13 +77,25 @@ def _cut_after_eos(tokens: torch.LongTensor, eos_token_ids: frozenset[int]) -> i
 
 class ModelDrafter(CandidateGenerator):
     """Bottom level: drafts up to K tokens with a model, sampling from (or taking the argmax of)
-    its processed distribution; stops early after an EOS."""
+    its processed distribution; stops early after an EOS.
 
-    def __init__(self, runner: CachedModel, rules: DecodingRules, num_draft_tokens: int, stats: LevelStats):
+    ``greedy_drafts`` drafts by argmax even when sampling (for a parent that verifies greedily);
+    the proposal is then a point mass and reported as None.
+    """
+
+    def __init__(
+        self,
+        runner: CachedModel,
+        rules: DecodingRules,
+        num_draft_tokens: int,
+        stats: LevelStats,
+        greedy_drafts: bool = False,
+    ):
         self.runner = runner
         self.rules = rules
         self.num_draft_tokens = num_draft_tokens
         self.stats = stats
+        self.samples = rules.do_sample and not greedy_drafts
         self._prefix_length = 0
 
     def get_candidates(self, input_ids: torch.LongTensor, max_new_tokens: int | None = None):
@@ -95,7 +107,7 @@ class ModelDrafter(CandidateGenerator):
         for _ in range(limit):
             logits = self.runner.next_token_logits(sequence, 1)  # [1, V]
             scores = process_positions(self.rules.processors, sequence, sequence.shape[1], logits)
-            if self.rules.do_sample:
+            if self.samples:
                 step_log_probs = self.proposal_log_probs(scores, logits)
                 token = torch.multinomial(scores.softmax(-1), 1)  # [1, 1]
                 log_probs.append(step_log_probs)
