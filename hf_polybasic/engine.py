@@ -18,7 +18,7 @@ from transformers.generation import StoppingCriteriaList
 
 from .cache import CachedModel, model_label, new_cache
 from .config import PolybasicConfig
-from .levels import DecodingRules, ModelDrafter, VerifyingLevel
+from .chain import DecodingRules, ModelDrafter, VerifyingLevel
 from .stats import LevelStats, PolybasicStats
 
 

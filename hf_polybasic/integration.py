@@ -23,7 +23,7 @@ from .cache import new_cache
 from .compat import prepared_pad_token_id, streamer_of_calling_generate, warn_if_untested
 from .config import PolybasicConfig
 from .engine import build_chain, timed_decode
-from .levels import DecodingRules
+from .chain import DecodingRules
 from .processing import processors_for_row, reject_stateful_processors
 from .stats import PolybasicStats
 

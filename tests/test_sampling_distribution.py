@@ -18,7 +18,7 @@ from hf_polybasic.testing import make_target, noisy_copy, prompt
 
 import hf_polybasic as hp
 from hf_polybasic import engine
-from hf_polybasic.levels import ModelDrafter
+from hf_polybasic.chain import ModelDrafter
 
 VOCAB = 8
 STEPS = 3

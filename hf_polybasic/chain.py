@@ -1,4 +1,4 @@
-"""The levels of a chain, as transformers `CandidateGenerator`s.
+"""The recursive chain, as transformers `CandidateGenerator`s.
 
 A chain M1 > M2 > ... > Mn is built recursively:
 
