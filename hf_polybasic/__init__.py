@@ -10,11 +10,14 @@ or opt in once per model with `enable`::
     out = target.generate(**inputs, assistant_models=[mid, draft], polybasic_config=hp.PolybasicConfig())
 """
 
+from . import drafters, levels
 from .config import PolybasicConfig
 from .integration import PolybasicGenerateOutput, disable, enable, generate, last_stats
 from .stats import LevelStats, PolybasicStats
 
 __all__ = [
+    "drafters",
+    "levels",
     "LevelStats",
     "PolybasicConfig",
     "PolybasicGenerateOutput",

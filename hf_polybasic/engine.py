@@ -18,6 +18,7 @@ from transformers.generation import StoppingCriteriaList
 
 from .cache import CachedModel, model_label, new_cache
 from .config import PolybasicConfig
+from .drafters import Drafter, DrafterLevel
 from .chain import DecodingRules, ModelDrafter, VerifyingLevel
 from .stats import LevelStats, PolybasicStats
 
@@ -29,24 +30,32 @@ def build_chain(
     rules: DecodingRules,
     target_cache,
 ) -> tuple[VerifyingLevel, PolybasicStats]:
-    """The recursive chain M1 > M2 > ... > Mn with a fresh cache for every assistant.
+    """The recursive chain M1 > M2 > ... > Mn with a fresh cache for every assistant model.
+
+    The bottom is a `ModelDrafter` (K autoregressive drafts) or, for a `Drafter`, a `DrafterLevel`.
 
     ``target_cache`` is the target's cache (None when ``use_cache=False``).
     """
-    names = [f"M{i + 1} {model_label(m)}" for i, m in enumerate([target, *assistant_models])]
+    names = [
+        f"M{i + 1} {repr(m) if isinstance(m, Drafter) else model_label(m)}"
+        for i, m in enumerate([target, *assistant_models])
+    ]
     roles = ["target"] + ["intermediate"] * (len(assistant_models) - 1) + ["drafter"]
     stats = PolybasicStats(levels=[LevelStats(name=name, role=role) for name, role in zip(names, roles)])
 
     greedy_intermediates = config.verification == "greedy"
-    drafter_model = assistant_models[-1]
-    level = ModelDrafter(
-        CachedModel(drafter_model, new_cache(drafter_model), role=f"assistant {names[-1]}"),
-        rules,
-        config.num_draft_tokens,
-        stats.levels[-1],
-        # below a greedy intermediate level, sampled drafts would only lower its acceptance
-        greedy_drafts=greedy_intermediates and len(assistant_models) > 1,
-    )
+    bottom = assistant_models[-1]
+    if isinstance(bottom, Drafter):
+        level = DrafterLevel(bottom, rules.eos_token_ids, stats.levels[-1])
+    else:
+        level = ModelDrafter(
+            CachedModel(bottom, new_cache(bottom), role=f"assistant {names[-1]}"),
+            rules,
+            config.num_draft_tokens,
+            stats.levels[-1],
+            # below a greedy intermediate level, sampled drafts would only lower its acceptance
+            greedy_drafts=greedy_intermediates and len(assistant_models) > 1,
+        )
     thresholds = config.thresholds_for(len(assistant_models) - 1)
     for index in range(len(assistant_models) - 2, -1, -1):  # intermediate levels, bottom-up
         model = assistant_models[index]

@@ -22,6 +22,7 @@ from transformers.generation import GenerateDecoderOnlyOutput, StoppingCriteriaL
 from .cache import new_cache
 from .compat import prepared_pad_token_id, streamer_of_calling_generate, warn_if_untested
 from .config import PolybasicConfig
+from .drafters import Drafter
 from .engine import build_chain, timed_decode
 from .chain import DecodingRules
 from .processing import processors_for_row, reject_stateful_processors
@@ -84,17 +85,25 @@ def validate_assistant_models(target, assistant_models) -> list[torch.nn.Module]
         raise ValueError("`assistant_models` is empty; give at least one assistant model, e.g. assistant_models=[draft]")
     models = list(assistant_models)
     for position, model in enumerate(models):
+        if isinstance(model, Drafter):
+            if position != len(models) - 1:
+                raise ValueError(
+                    f"assistant_models[{position}] is a {type(model).__name__}, which only drafts; it must come last "
+                    "(the bottom of the chain), below every model"
+                )
+            continue
         if not isinstance(model, torch.nn.Module) or not hasattr(model, "config"):
             raise TypeError(
-                f"assistant_models[{position}] must be a transformers model (nn.Module with a config), "
-                f"got {type(model).__name__}"
+                f"assistant_models[{position}] must be a transformers model (nn.Module with a config) "
+                f"or, last, a hf_polybasic.drafters.Drafter; got {type(model).__name__}"
             )
-    for role, model in [("target", target)] + [(f"assistant_models[{i}]", m) for i, m in enumerate(models)]:
+    chain_models = [m for m in models if not isinstance(m, Drafter)]
+    for role, model in [("target", target)] + [(f"assistant_models[{i}]", m) for i, m in enumerate(chain_models)]:
         if getattr(model.config, "is_encoder_decoder", False):
             raise NotImplementedError(
                 f"{role} {type(model).__name__} is an encoder-decoder model; hf_polybasic supports decoder-only chains"
             )
-    _check_vocabularies(target, models)
+    _check_vocabularies(target, chain_models)
     return models
 
 

@@ -1,0 +1,99 @@
+"""Building the levels of a chain from the target itself: cheaper copies and early exits.
+
+* `quantized_copy(target, method)`: an independent, cheaper copy of the target (the paper's M2 is
+  a 4-bit copy of M1). Nothing mutable is shared with the target.
+* `early_exit(model, num_layers)`: the model's first layers with its final norm and head, sharing
+  the weights (no copy) but used with its own cache: a self-drafting level usable anywhere in a
+  chain.
+* Model-free drafters live in `hf_polybasic.drafters` (`PromptLookup`, and the `Drafter`
+  interface for your own).
+
+Any of these goes into ``assistant_models``; the chain stays lossless whatever they output.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import torch
+
+QUANTIZATION_METHODS = ("bf16", "fp16", "int8-dynamic")
+
+
+def quantized_copy(target: torch.nn.Module, method: str = "int8-dynamic") -> torch.nn.Module:
+    """A cheaper copy of ``target`` for use as an intermediate level or drafter.
+
+    Methods:
+        ``"bf16"`` / ``"fp16"``: a cast copy (halves memory; fast on GPUs and on CPUs with bf16
+        units).
+        ``"int8-dynamic"``: int8 weights with per-channel scales and dynamically quantized
+        activations for every ``nn.Linear`` (CPU only), via PyTorch's
+        ``torch.ao.quantization.quantize_dynamic``. That API is deprecated in favour of torchao,
+        whose int8 weight-only path has no fast CPU kernel yet; it is wrapped here so the rest of
+        the package does not depend on it.
+
+    4-bit copies on CUDA come from loading a checkpoint with transformers' own quantization
+    (bitsandbytes NF4, or GPTQ through optimum + gptqmodel); such models, like GGUF-loaded ones,
+    can be passed in ``assistant_models`` directly.
+    """
+    if method not in QUANTIZATION_METHODS:
+        raise ValueError(f"quantized_copy: unknown method {method!r}; choose one of {QUANTIZATION_METHODS}")
+    clone = copy.deepcopy(target)
+    if method in ("bf16", "fp16"):
+        return clone.to(torch.bfloat16 if method == "bf16" else torch.float16).eval()
+    return _int8_dynamic(clone)
+
+
+def _int8_dynamic(model: torch.nn.Module) -> torch.nn.Module:
+    devices = {p.device.type for p in model.parameters()}
+    if devices != {"cpu"}:
+        raise ValueError(
+            f"quantized_copy(method='int8-dynamic') runs on CPU only; the model is on {sorted(devices)}. "
+            "On a GPU use method='bf16'/'fp16' or load a 4-bit checkpoint (bitsandbytes, GPTQ)"
+        )
+    model = model.float().eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        warnings.simplefilter("ignore", UserWarning)
+        from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
+
+        return quantize_dynamic(model, {torch.nn.Linear: per_channel_dynamic_qconfig}, dtype=torch.qint8)
+
+
+def _decoder(model: torch.nn.Module) -> torch.nn.Module:
+    base = getattr(model, getattr(model, "base_model_prefix", "model"), None)
+    if base is None or not isinstance(getattr(base, "layers", None), torch.nn.ModuleList):
+        raise TypeError(
+            f"early_exit supports decoder-only transformers models whose decoder keeps its blocks in "
+            f"`.{getattr(model, 'base_model_prefix', 'model')}.layers` (Llama, Qwen2, Mistral, Gemma 3, ...); "
+            f"{type(model).__name__} does not"
+        )
+    return base
+
+
+def early_exit(model: torch.nn.Module, num_layers: int) -> torch.nn.Module:
+    """The first ``num_layers`` decoder layers of ``model`` plus its final norm and LM head.
+
+    The returned model shares every weight with ``model`` (nothing is copied) but is a separate
+    module with its own config, so it gets its own cache in a chain.
+    """
+    base = _decoder(model)
+    total = len(base.layers)
+    if isinstance(num_layers, bool) or not isinstance(num_layers, int) or not 1 <= num_layers < total:
+        raise ValueError(f"early_exit: num_layers must be an int in [1, {total - 1}] for this model, got {num_layers!r}")
+    config = copy.deepcopy(model.config)
+    text_config = config.get_text_config(decoder=True)
+    text_config.num_hidden_layers = num_layers
+    if getattr(text_config, "layer_types", None) is not None:
+        text_config.layer_types = list(text_config.layer_types[:num_layers])
+
+    short_base = copy.copy(base)  # new module object, same submodules
+    short_base._modules = dict(base._modules)
+    short_base.layers = torch.nn.ModuleList(list(base.layers[:num_layers]))
+    short_base.config = text_config
+    view = copy.copy(model)
+    view._modules = dict(model._modules)
+    setattr(view, getattr(model, "base_model_prefix", "model"), short_base)
+    view.config = config
+    return view

@@ -1,0 +1,169 @@
+"""Level builders and drafters: exact in 2-, 3- and 4-level chains, greedy and sampled."""
+
+import functools
+
+import pytest
+import torch
+from distribution import ALPHA, chi_square_p_value, exact_distribution, models, sample_counts
+
+import hf_polybasic as hp
+from hf_polybasic.drafters import Drafter, PromptLookup
+from hf_polybasic.levels import early_exit, quantized_copy
+from hf_polybasic.testing import make_target, noisy_copy, prompt
+
+
+@functools.lru_cache(maxsize=None)
+def four_layer_target():
+    return make_target("llama", seed=41, layers=4)
+
+
+def chain_for(kind: str, depth: int):
+    """assistant_models of a `depth`-model chain that uses the level `kind` (strongest first)."""
+    target = four_layer_target()
+    lookup = PromptLookup(max_ngram=3, num_tokens=5)
+    noisy = noisy_copy(target, 0.2, seed=1)
+    if kind == "prompt_lookup":
+        return [[lookup], [noisy, lookup], [quantized_copy(target, "bf16"), noisy, lookup]][depth - 2]
+    if kind == "early_exit":
+        return [early_exit(target, layers) for layers in range(depth - 1, 0, -1)]
+    if kind in ("bf16", "int8-dynamic"):
+        copy = quantized_copy(target, kind)
+        return [[copy], [copy, noisy], [copy, noisy, lookup]][depth - 2]
+    raise ValueError(kind)
+
+
+@pytest.mark.parametrize("kind", ["prompt_lookup", "early_exit", "bf16", "int8-dynamic"])
+@pytest.mark.parametrize("depth", [2, 3, 4])
+def test_greedy_equality_with_each_level(kind, depth):
+    target = four_layer_target()
+    assistants = chain_for(kind, depth)
+    for seed in range(3):
+        ids = prompt(6, seed=seed)
+        options = dict(do_sample=False, max_new_tokens=40, eos_token_id=None)
+        reference = target.generate(ids, **options)
+        out = target.generate(
+            ids,
+            custom_generate=hp.generate,
+            assistant_models=assistants,
+            polybasic_config=hp.PolybasicConfig(num_draft_tokens=3, block_threshold=4),
+            return_dict_in_generate=True,
+            **options,
+        )
+        assert torch.equal(out.sequences, reference)
+    if kind == "prompt_lookup":  # the random target repeats itself, so lookups do get accepted
+        assert out.polybasic_stats.levels[-2].accepted > 0
+
+
+class UniformDrafter(Drafter):
+    """A stochastic custom drafter: each token uniform over the vocabulary, reported honestly."""
+
+    def __init__(self, vocab: int, num_tokens: int = 2, lie: bool = False):
+        self.vocab, self.num_tokens, self.lie = vocab, num_tokens, lie
+
+    def propose(self, sequence, max_new_tokens):
+        k = min(self.num_tokens, max_new_tokens)
+        uniform = torch.full((k, self.vocab), 1.0 / self.vocab)
+        if self.lie:  # draws from a peaked distribution but claims uniform: must be caught
+            peaked = torch.full((k, self.vocab), 0.02)
+            peaked[:, 1] = 1.0
+            tokens = torch.multinomial(peaked, 1).squeeze(-1)
+        else:
+            tokens = torch.multinomial(uniform, 1).squeeze(-1)
+        return tokens, uniform.log()
+
+
+SETTING = "temperature+top_k+top_p"
+
+
+@pytest.mark.parametrize(
+    "name, assistants",
+    [
+        ("prompt lookup, 2 models", lambda: [PromptLookup(max_ngram=2, num_tokens=3)]),
+        ("prompt lookup, 3 models", lambda: [models()[1], PromptLookup(max_ngram=2, num_tokens=3)]),
+        ("early exit + int8 copy, 4 models", lambda: [
+            quantized_copy(models()[0], "int8-dynamic"), early_exit(models()[0], 1), PromptLookup(num_tokens=2)
+        ]),
+        ("custom stochastic drafter, 3 models", lambda: [models()[1], UniformDrafter(8)]),
+    ],
+)
+def test_sampling_with_each_level_is_the_target_distribution(name, assistants):
+    counts = sample_counts(SETTING, assistants(), seed=7, num_draft_tokens=2, block_threshold=2)
+    assert chi_square_p_value(counts, exact_distribution(SETTING)) > ALPHA
+
+
+def test_negative_control_a_drafter_that_misreports_its_distribution_is_caught():
+    counts = sample_counts(SETTING, [UniformDrafter(8, lie=True)], seed=7, num_draft_tokens=2)
+    assert chi_square_p_value(counts, exact_distribution(SETTING)) < ALPHA
+
+
+# --- the pieces -----------------------------------------------------------------------------------
+def test_prompt_lookup_proposes_what_followed_the_latest_longest_match():
+    lookup = PromptLookup(max_ngram=3, num_tokens=2)
+    sequence = torch.tensor([[5, 6, 7, 8, 9, 5, 6, 7, 1, 2, 6, 7]])
+    # "6 7" occurs at 1 and 6 ("5 6 7" would need a 5 before the final "6 7"): latest is 6 -> 1, 2
+    tokens, log_probs = lookup.propose(sequence, max_new_tokens=8)
+    assert tokens.tolist() == [1, 2] and log_probs is None
+    assert lookup.propose(sequence, max_new_tokens=1)[0].tolist() == [1]
+    assert lookup.propose(torch.tensor([[1, 2, 3]]), max_new_tokens=4)[0].numel() == 0
+    assert lookup.propose(sequence, max_new_tokens=0)[0].numel() == 0
+
+
+@pytest.mark.parametrize("kwargs", [dict(max_ngram=0), dict(num_tokens=-1), dict(min_ngram=4, max_ngram=3)])
+def test_prompt_lookup_validates_its_settings(kwargs):
+    with pytest.raises(ValueError, match="PromptLookup"):
+        PromptLookup(**kwargs)
+
+
+def test_early_exit_shares_weights_and_leaves_the_model_alone():
+    target = four_layer_target()
+    short = early_exit(target, 2)
+    assert short.config.num_hidden_layers == 2 and target.config.num_hidden_layers == 4
+    assert len(short.model.layers) == 2 and len(target.model.layers) == 4
+    assert short.model.layers[1] is target.model.layers[1]
+    assert short.lm_head.weight.data_ptr() == target.lm_head.weight.data_ptr()
+    with pytest.raises(ValueError, match="num_layers"):
+        early_exit(target, 4)
+
+
+def test_early_exit_of_a_sliding_window_model_is_exact():
+    target = make_target("gemma3", seed=5, layers=4)
+    ids = prompt(5, seed=2)
+    options = dict(do_sample=False, max_new_tokens=30, eos_token_id=None)
+    out = target.generate(
+        ids, custom_generate=hp.generate, assistant_models=[early_exit(target, 2), early_exit(target, 1)], **options
+    )
+    assert torch.equal(out, target.generate(ids, **options))
+
+
+def test_quantized_copy_shares_nothing_mutable():
+    target = four_layer_target()
+    for method in ("bf16", "fp16", "int8-dynamic"):
+        copy = quantized_copy(target, method)
+        target_storages = {p.data_ptr() for p in target.parameters()}
+        assert not target_storages & {p.data_ptr() for p in copy.parameters()}
+    assert next(quantized_copy(target, "bf16").parameters()).dtype == torch.bfloat16
+    assert next(target.parameters()).dtype == torch.float32
+    with pytest.raises(ValueError, match="unknown method"):
+        quantized_copy(target, "int3")
+
+
+def test_drafter_must_be_last_and_must_return_valid_proposals():
+    target = four_layer_target()
+    ids = prompt(4)
+    with pytest.raises(ValueError, match="must come last"):
+        target.generate(ids, custom_generate=hp.generate, assistant_models=[PromptLookup(), noisy_copy(target, 0.1, 2)])
+
+    class Broken(Drafter):
+        def __init__(self, result):
+            self.result = result
+
+        def propose(self, sequence, max_new_tokens):
+            return self.result
+
+    for result, error, message in [
+        (([1, 2], None), TypeError, "1-D LongTensor"),
+        ((torch.arange(50), None), ValueError, "max_new_tokens"),
+        ((torch.tensor([1, 2]), torch.zeros(3, 96)), ValueError, "shape"),
+    ]:
+        with pytest.raises(error, match=message):
+            target.generate(ids, custom_generate=hp.generate, assistant_models=[Broken(result)], max_new_tokens=5)
