@@ -75,7 +75,29 @@ def _cut_after_eos(tokens: torch.LongTensor, eos_token_ids: frozenset[int]) -> i
     return tokens.shape[0]
 
 
-class ModelDrafter(CandidateGenerator):
+class ChainLevel(CandidateGenerator):
+    """A level of a chain: a candidate generator whose state the level above can roll back.
+
+    Subclasses set ``_prefix_length`` (the length of the sequence given to the last
+    `get_candidates`) and implement `rollback_to` and `commit`.
+    """
+
+    _prefix_length = 0
+
+    def update_candidate_strategy(self, input_ids, scores, num_matches: int) -> None:
+        """The level above kept ``num_matches`` of the tokens of the last `get_candidates`."""
+        self.rollback_to(self._prefix_length + num_matches)
+
+    def rollback_to(self, length: int) -> None:
+        """Forget everything about tokens past ``length``, here and in every level below."""
+        raise NotImplementedError
+
+    def commit(self) -> None:
+        """Everything so far is final (the target has verified it), here and below."""
+        raise NotImplementedError
+
+
+class ModelDrafter(ChainLevel):
     """Bottom level: drafts up to K tokens with a model, sampling from (or taking the argmax of)
     its processed distribution; stops early after an EOS.
 
@@ -96,7 +118,6 @@ class ModelDrafter(CandidateGenerator):
         self.num_draft_tokens = num_draft_tokens
         self.stats = stats
         self.samples = rules.do_sample and not greedy_drafts
-        self._prefix_length = 0
 
     def get_candidates(self, input_ids: torch.LongTensor, max_new_tokens: int | None = None):
         started = time.perf_counter()
@@ -129,9 +150,6 @@ class ModelDrafter(CandidateGenerator):
         logits, which would make the chain lossy under top-k/top-p/temperature)."""
         return scores.log_softmax(-1)
 
-    def update_candidate_strategy(self, input_ids, scores, num_matches: int) -> None:
-        self.rollback_to(self._prefix_length + num_matches)
-
     def rollback_to(self, length: int) -> None:
         self.runner.rollback_to(length)
 
@@ -139,7 +157,7 @@ class ModelDrafter(CandidateGenerator):
         self.runner.commit()
 
 
-class VerifyingLevel(CandidateGenerator):
+class VerifyingLevel(ChainLevel):
     """A model that verifies the stream of the level below it.
 
     As an intermediate level (``block_threshold`` = mu) it is itself a candidate generator for the
@@ -150,7 +168,7 @@ class VerifyingLevel(CandidateGenerator):
     def __init__(
         self,
         runner: CachedModel,
-        child: CandidateGenerator,
+        child: ChainLevel,
         rules: DecodingRules,
         stats: LevelStats,
         block_threshold: int | None = None,
@@ -162,7 +180,6 @@ class VerifyingLevel(CandidateGenerator):
         self.stats = stats
         self.block_threshold = block_threshold
         self.samples = rules.do_sample and not greedy_proposals
-        self._prefix_length = 0
 
     # --- one verification --------------------------------------------------------------------
     def verify_round(self, sequence: torch.LongTensor, max_new_tokens: int) -> Round:
@@ -211,9 +228,6 @@ class VerifyingLevel(CandidateGenerator):
         self.stats.proposed += sequence.shape[1] - input_ids.shape[1]
         proposal = torch.cat(log_probs, dim=0).unsqueeze(0) if log_probs else None
         return sequence, proposal
-
-    def update_candidate_strategy(self, input_ids, scores, num_matches: int) -> None:
-        self.rollback_to(self._prefix_length + num_matches)
 
     def rollback_to(self, length: int) -> None:
         self.runner.rollback_to(length)

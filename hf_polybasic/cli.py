@@ -27,6 +27,13 @@ def _models(args: argparse.Namespace) -> int:
     return 0
 
 
+def _levels(args: argparse.Namespace) -> int:
+    from .profiling import run_levels_table
+
+    print(run_levels_table(args.models, args.k, args.new_tokens, args.stride, args.repeats, args.out))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hf-polybasic", description="Polybasic speculative decoding for transformers")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -42,6 +49,15 @@ def build_parser() -> argparse.ArgumentParser:
     model_cmd.add_argument("names", nargs="*", help="models to install (default: all)")
     model_cmd.add_argument("--cache-dir", default=None, help="default: $HF_POLYBASIC_CACHE or ~/.cache/hf_polybasic/models")
     model_cmd.set_defaults(handler=_models)
+
+    levels = commands.add_parser("levels", help="cost and greedy agreement of each way to build a chain level")
+    levels.add_argument("--models", choices=["qwen", "tiny"], default="qwen")
+    levels.add_argument("--k", type=int, default=8, help="draft length K for the verify cost and the agreement")
+    levels.add_argument("--new-tokens", type=int, default=48, help="greedy continuation length per prompt")
+    levels.add_argument("--stride", type=int, default=8, help="draft every STRIDE positions of a continuation")
+    levels.add_argument("--repeats", type=int, default=5, help="timed forward passes per cost (median)")
+    levels.add_argument("--out", default=None, help="directory for levels_<models>.json and .md")
+    levels.set_defaults(handler=_levels)
     return parser
 
 

@@ -15,8 +15,7 @@ import abc
 import time
 
 import torch
-from transformers.generation import CandidateGenerator
-
+from .chain import ChainLevel
 from .stats import LevelStats
 
 
@@ -83,14 +82,13 @@ class PromptLookup(Drafter):
         return ids[:0], None
 
 
-class DrafterLevel(CandidateGenerator):
+class DrafterLevel(ChainLevel):
     """Adapts a `Drafter` to the chain's candidate-generator protocol (see `hf_polybasic.chain`)."""
 
     def __init__(self, drafter: Drafter, eos_token_ids: frozenset[int], stats: LevelStats):
         self.drafter = drafter
         self.eos_token_ids = eos_token_ids
         self.stats = stats
-        self._prefix_length = 0
 
     def get_candidates(self, input_ids: torch.LongTensor, max_new_tokens: int | None = None):
         started = time.perf_counter()
@@ -118,9 +116,6 @@ class DrafterLevel(CandidateGenerator):
                 f"(or None for deterministic drafts), got shape {tuple(log_probs.shape)}"
             )
         return tokens, log_probs
-
-    def update_candidate_strategy(self, input_ids, scores, num_matches: int) -> None:
-        self.rollback_to(self._prefix_length + num_matches)
 
     def rollback_to(self, length: int) -> None:
         self.drafter.rollback_to(length)

@@ -6,7 +6,7 @@
   the weights (no copy) but used with its own cache: a self-drafting level usable anywhere in a
   chain.
 * Model-free drafters live in `hf_polybasic.drafters` (`PromptLookup`, and the `Drafter`
-  interface for your own).
+  interface for your own) and are re-exported here.
 
 Any of these goes into ``assistant_models``; the chain stays lossless whatever they output.
 """
@@ -17,6 +17,10 @@ import copy
 import warnings
 
 import torch
+
+from .drafters import Drafter, PromptLookup  # re-exported: every kind of level is reachable from here
+
+__all__ = ["Drafter", "PromptLookup", "early_exit", "quantized_copy"]
 
 QUANTIZATION_METHODS = ("bf16", "fp16", "int8-dynamic")
 
@@ -58,7 +62,8 @@ def _int8_dynamic(model: torch.nn.Module) -> torch.nn.Module:
         warnings.simplefilter("ignore", UserWarning)
         from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
 
-        return quantize_dynamic(model, {torch.nn.Linear: per_channel_dynamic_qconfig}, dtype=torch.qint8)
+        # in place: `model` is already our private copy (a second copy would double peak memory)
+        return quantize_dynamic(model, {torch.nn.Linear: per_channel_dynamic_qconfig}, dtype=torch.qint8, inplace=True)
 
 
 def _decoder(model: torch.nn.Module) -> torch.nn.Module:
