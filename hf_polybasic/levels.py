@@ -22,7 +22,7 @@ from .drafters import Drafter, PromptLookup  # re-exported: every kind of level 
 
 __all__ = ["Drafter", "PromptLookup", "early_exit", "quantized_copy"]
 
-QUANTIZATION_METHODS = ("bf16", "fp16", "int8-dynamic")
+QUANTIZATION_METHODS = ("bf16", "fp16", "int8-dynamic", "nf4")
 
 
 def quantized_copy(target: torch.nn.Module, method: str = "int8-dynamic") -> torch.nn.Module:
@@ -37,12 +37,19 @@ def quantized_copy(target: torch.nn.Module, method: str = "int8-dynamic") -> tor
         whose int8 weight-only path has no fast CPU kernel yet; it is wrapped here so the rest of
         the package does not depend on it.
 
-    4-bit copies on CUDA come from loading a checkpoint with transformers' own quantization
-    (bitsandbytes NF4, or GPTQ through optimum + gptqmodel); such models, like GGUF-loaded ones,
-    can be passed in ``assistant_models`` directly.
+        ``"nf4"``: 4-bit NormalFloat weights with bf16 compute through bitsandbytes, the 4-bit
+        path transformers maintains for CUDA (needs a CUDA GPU and ``pip install bitsandbytes``).
+        The target is saved to a temporary directory and reloaded quantized, so this needs disk
+        space for one fp checkpoint.
+
+    GPTQ/AWQ/GGUF checkpoints that are already quantized load as ordinary transformers models and
+    can be passed in ``assistant_models`` directly (transformers 5 runs GPTQ through optimum +
+    gptqmodel; the unmaintained auto-gptq is no longer used).
     """
     if method not in QUANTIZATION_METHODS:
         raise ValueError(f"quantized_copy: unknown method {method!r}; choose one of {QUANTIZATION_METHODS}")
+    if method == "nf4":
+        return _nf4(target)
     clone = copy.deepcopy(target)
     if method in ("bf16", "fp16"):
         return clone.to(torch.bfloat16 if method == "bf16" else torch.float16).eval()
@@ -64,6 +71,29 @@ def _int8_dynamic(model: torch.nn.Module) -> torch.nn.Module:
 
         # in place: `model` is already our private copy (a second copy would double peak memory)
         return quantize_dynamic(model, {torch.nn.Linear: per_channel_dynamic_qconfig}, dtype=torch.qint8, inplace=True)
+
+
+def _nf4(model: torch.nn.Module) -> torch.nn.Module:
+    if not torch.cuda.is_available():
+        raise ValueError(
+            "quantized_copy(method='nf4') needs a CUDA GPU (bitsandbytes 4-bit kernels); on CPU use 'int8-dynamic'"
+        )
+    try:
+        import bitsandbytes  # noqa: F401
+    except ImportError as error:
+        raise ImportError("quantized_copy(method='nf4') needs bitsandbytes: pip install bitsandbytes") from error
+    import tempfile
+
+    from transformers import BitsAndBytesConfig
+
+    device = next(model.parameters()).device
+    device = device if device.type == "cuda" else torch.device("cuda", torch.cuda.current_device())
+    config = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16)
+    with tempfile.TemporaryDirectory(prefix="hf_polybasic_nf4_") as directory:
+        model.save_pretrained(directory)
+        quantized = type(model).from_pretrained(directory, quantization_config=config, device_map={"": device})
+    quantized.generation_config = copy.deepcopy(model.generation_config)
+    return quantized.eval()
 
 
 def _decoder(model: torch.nn.Module) -> torch.nn.Module:

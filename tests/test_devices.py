@@ -96,3 +96,25 @@ def test_half_precision_chain_on_gpu_samples_and_decodes(dtype):
     )
     assert sampled.sequences.shape[1] == 5 + 16
     assert sampled.scores[0].device.type == "cuda"
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_nf4_copy_of_the_target_as_intermediate_on_gpu():
+    pytest.importorskip("bitsandbytes")
+    from hf_polybasic.levels import quantized_copy
+
+    target, _, m3 = fp32_chain()
+    gpu_target = _cast(target, device="cuda")
+    nf4 = quantized_copy(gpu_target, "nf4")
+    out, reference = _greedy_pair(gpu_target, [nf4, _cast(m3, device="cuda")], prompt(5, seed=6).cuda())
+    assert torch.equal(out, reference)
+
+
+def test_nf4_without_a_gpu_is_a_clear_error():
+    from hf_polybasic.levels import quantized_copy
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    with pytest.raises(ValueError, match="needs a CUDA GPU"):
+        quantized_copy(fp32_chain()[0], "nf4")
