@@ -28,8 +28,9 @@ ROLLBACK_LAYER_TYPES = (DynamicLayer, DynamicSlidingWindowLayer, DynamicIndexedL
 
 
 def model_label(model: torch.nn.Module) -> str:
-    """A short name for error messages and statistics, e.g. 'LlamaForCausalLM(name_or_path)'."""
-    name = getattr(getattr(model, "config", None), "name_or_path", "") or ""
+    """A short name for error messages and statistics, e.g. 'Qwen2ForCausalLM(qwen2.5-coder-0.5b)'
+    (the last part of ``config.name_or_path``, when there is one)."""
+    name = str(getattr(getattr(model, "config", None), "name_or_path", "") or "").rstrip("/").split("/")[-1]
     return f"{type(model).__name__}({name})" if name else type(model).__name__
 
 

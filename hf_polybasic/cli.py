@@ -11,7 +11,7 @@ def _demo(args: argparse.Namespace) -> int:
 
     if args.tiny:
         return run_demo(max_new_tokens=args.max_new_tokens or 64, repeats=args.repeats, seed=args.seed)
-    return run_real_demo(max_new_tokens=args.max_new_tokens or 128)
+    return run_real_demo(max_new_tokens=args.max_new_tokens or 128, target_dtype=args.target_dtype)
 
 
 def _models(args: argparse.Namespace) -> int:
@@ -45,6 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("--tiny", action="store_true", help="small random models instead (no download, seconds)")
     demo.add_argument("--max-new-tokens", type=int, default=None, help="default: 128 (real), 64 (--tiny)")
+    demo.add_argument("--target-dtype", choices=["bf16", "fp32"], default="bf16", help="real demo: the target's dtype")
     demo.add_argument("--repeats", type=int, default=3, help="--tiny: timed runs per method; the median is reported")
     demo.add_argument("--seed", type=int, default=0, help="--tiny: seed of the random models and prompt")
     demo.set_defaults(handler=_demo)

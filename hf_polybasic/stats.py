@@ -102,12 +102,13 @@ class PolybasicStats:
         self.seconds += other.seconds
 
     def __str__(self) -> str:
-        header = f"{'level':<32} {'F_i':>6} {'drafted':>8} {'accepted':>9} {'L_i':>6} {'proposed':>9} {'seconds':>8}"
+        width = max(32, *(len(level.name) + 1 for level in self.levels))
+        header = f"{'level':<{width}} {'F_i':>6} {'drafted':>8} {'accepted':>9} {'L_i':>6} {'proposed':>9} {'seconds':>8}"
         rows = [header]
         for level in self.levels:
             mean = level.mean_acceptance_length
             rows.append(
-                f"{level.name:<32} {level.forward_passes:>6} {level.drafted:>8} {level.accepted:>9} "
+                f"{level.name:<{width}} {level.forward_passes:>6} {level.drafted:>8} {level.accepted:>9} "
                 f"{(f'{mean:.2f}' if mean is not None else '-'):>6} {level.proposed:>9} {level.seconds:>8.3f}"
             )
         rows.append(f"{self.new_tokens} new tokens in {self.seconds:.3f} s")
