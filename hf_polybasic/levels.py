@@ -28,19 +28,19 @@ QUANTIZATION_METHODS = ("bf16", "fp16", "int8-dynamic", "nf4")
 def quantized_copy(target: torch.nn.Module, method: str = "int8-dynamic") -> torch.nn.Module:
     """A cheaper copy of ``target`` for use as an intermediate level or drafter.
 
-    Methods:
-        ``"bf16"`` / ``"fp16"``: a cast copy (halves memory; fast on GPUs and on CPUs with bf16
-        units).
-        ``"int8-dynamic"``: int8 weights with per-channel scales and dynamically quantized
-        activations for every ``nn.Linear`` (CPU only), via PyTorch's
-        ``torch.ao.quantization.quantize_dynamic``. That API is deprecated in favour of torchao,
-        whose int8 weight-only path has no fast CPU kernel yet; it is wrapped here so the rest of
-        the package does not depend on it.
+    ``method`` is one of:
 
-        ``"nf4"``: 4-bit NormalFloat weights with bf16 compute through bitsandbytes, the 4-bit
-        path transformers maintains for CUDA (needs a CUDA GPU and ``pip install bitsandbytes``).
-        The target is saved to a temporary directory and reloaded quantized, so this needs disk
-        space for one fp checkpoint.
+    - ``"bf16"`` / ``"fp16"``: a cast copy (halves memory; fast on GPUs and on CPUs with bf16
+      units).
+    - ``"int8-dynamic"``: int8 weights with per-channel scales and dynamically quantized
+      activations for every ``nn.Linear`` (CPU only), via PyTorch's
+      ``torch.ao.quantization.quantize_dynamic``. That API is deprecated in favour of torchao,
+      whose int8 weight-only path has no fast CPU kernel yet; it is wrapped here so the rest of
+      the package does not depend on it.
+    - ``"nf4"``: 4-bit NormalFloat weights with bf16 compute through bitsandbytes, the 4-bit
+      path transformers maintains for CUDA (needs a CUDA GPU and ``pip install bitsandbytes``).
+      The target is saved to a temporary directory and reloaded quantized, so this needs disk
+      space for one fp checkpoint.
 
     GPTQ/AWQ/GGUF checkpoints that are already quantized load as ordinary transformers models and
     can be passed in ``assistant_models`` directly (transformers 5 runs GPTQ through optimum +
