@@ -71,14 +71,18 @@ def new_cache(model: torch.nn.Module) -> DynamicCache:
 class CachedModel:
     """A causal LM plus its own cache, fed incrementally along one token sequence.
 
+    ``vocab_limit`` cuts the output to the first ids (an assistant whose output layer is padded
+    beyond the target's must never propose an id the target does not have).
+
     Attributes:
         length: tokens of the current sequence whose keys/values are cached.
         forward_passes: forward calls made (F_i in the paper).
         forward_seconds: wall time spent inside those calls.
     """
 
-    def __init__(self, model: torch.nn.Module, cache: Cache | None, role: str):
+    def __init__(self, model: torch.nn.Module, cache: Cache | None, role: str, vocab_limit: int | None = None):
         self.model = model
+        self.vocab_limit = vocab_limit
         self.cache = cache
         self.role = role
         self.device = model.device
@@ -113,7 +117,7 @@ class CachedModel:
             outputs = self.model(
                 input_ids=inputs, position_ids=positions, past_key_values=self.cache, use_cache=True, **kwargs
             )
-        logits = outputs.logits[0, -num_positions:].float()
+        logits = outputs.logits[0, -num_positions:, : self.vocab_limit].float()
         self.forward_seconds += time.perf_counter() - started
         self.forward_passes += 1
         self.length = total

@@ -43,13 +43,14 @@ def build_chain(
     roles = ["target"] + ["intermediate"] * (len(assistant_models) - 1) + ["drafter"]
     stats = PolybasicStats(levels=[LevelStats(name=name, role=role) for name, role in zip(names, roles)])
 
+    vocab = target.config.get_text_config(decoder=True).vocab_size
     greedy_intermediates = config.verification == "greedy"
     bottom = assistant_models[-1]
     if isinstance(bottom, Drafter):
         level = DrafterLevel(bottom, rules.eos_token_ids, stats.levels[-1])
     else:
         level = ModelDrafter(
-            CachedModel(bottom, new_cache(bottom), role=f"assistant {names[-1]}"),
+            CachedModel(bottom, new_cache(bottom), role=f"assistant {names[-1]}", vocab_limit=vocab),
             rules,
             config.num_draft_tokens,
             stats.levels[-1],
@@ -60,7 +61,7 @@ def build_chain(
     for index in range(len(assistant_models) - 2, -1, -1):  # intermediate levels, bottom-up
         model = assistant_models[index]
         level = VerifyingLevel(
-            CachedModel(model, new_cache(model), role=f"assistant {names[index + 1]}"),
+            CachedModel(model, new_cache(model), role=f"assistant {names[index + 1]}", vocab_limit=vocab),
             level,
             rules,
             stats.levels[index + 1],
