@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from .bench.cli import add_bench_parser
+
 
 def _demo(args: argparse.Namespace) -> int:
     from .demo import run_demo, run_real_demo
@@ -64,6 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
     levels.add_argument("--repeats", type=int, default=5, help="timed forward passes per cost (median)")
     levels.add_argument("--out", default=None, help="directory for levels_<models>.json and .md")
     levels.set_defaults(handler=_levels)
+
+    add_bench_parser(commands)
     return parser
 
 

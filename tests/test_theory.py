@@ -90,7 +90,10 @@ def exact_moments(p: float, n: int) -> tuple[float, float, float]:
 def variance_z_score(accepted: np.ndarray, p: float, n: int, variance: float) -> float:
     """(sample variance - variance) in standard errors of the sample variance (exact moments)."""
     _, exact_variance, fourth = exact_moments(p, n)
-    se = np.sqrt((fourth - exact_variance**2) / len(accepted))
+    size = len(accepted)
+    # exact variance of the unbiased sample variance; the large-sample (mu4 - sigma^4) / N alone is
+    # 0 for a fair coin (p = 0.5, n = 1), where the sample variance still varies at order 1/N^2
+    se = np.sqrt((fourth - (size - 3) / (size - 1) * exact_variance**2) / size)
     return float((accepted.var(ddof=1) - variance) / se)
 
 
