@@ -7,6 +7,8 @@ tokenizer over the same tiny vocabulary, so pipelines, streamers and stop string
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from transformers import (
     Gemma3ForCausalLM,
@@ -71,19 +73,19 @@ def noisy_copy(model, noise: float, seed: int, vocab: int | None = None):
     config = model.config.__class__.from_dict(model.config.to_dict())
     if vocab is not None:
         config.vocab_size = vocab
-    copy = type(model)(config).eval()
+    clone = type(model)(config).eval()
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         source = dict(model.named_parameters())
-        for name, parameter in copy.named_parameters():
+        for name, parameter in clone.named_parameters():
             original = source[name]
             if original.shape != parameter.shape:  # padded embedding / head: copy the shared rows
                 parameter.normal_(0, 0.02, generator=generator)
                 parameter[: original.shape[0]] = original
                 continue
             parameter.copy_(original * (1 + noise * torch.randn(original.shape, generator=generator)))
-    copy.generation_config = model.generation_config
-    return copy
+    clone.generation_config = copy.deepcopy(model.generation_config)  # its own: no shared settings
+    return clone
 
 
 def make_chain(arch: str = "llama", depth: int = 3, seed: int = 0, **extra):
