@@ -67,7 +67,7 @@ class Round:
     num_accepted: int
 
 
-def _cut_after_eos(tokens: torch.LongTensor, eos_token_ids: frozenset[int]) -> int:
+def length_through_eos(tokens: torch.LongTensor, eos_token_ids: frozenset[int]) -> int:
     """Number of tokens to keep: up to and including the first EOS, else all."""
     for index, token in enumerate(tokens.tolist()):
         if token in eos_token_ids:
@@ -219,7 +219,7 @@ class VerifyingLevel(ChainLevel):
         while sequence.shape[1] - input_ids.shape[1] < min(self.block_threshold, max_new_tokens):
             budget = max_new_tokens - (sequence.shape[1] - input_ids.shape[1])
             round_ = self.verify_round(sequence, budget)
-            keep = _cut_after_eos(round_.tokens, self.rules.eos_token_ids)
+            keep = length_through_eos(round_.tokens, self.rules.eos_token_ids)
             sequence = torch.cat([sequence, round_.tokens[:keep].unsqueeze(0)], dim=1)
             if self.samples:
                 log_probs.append(round_.scores[:keep].log_softmax(-1))

@@ -15,7 +15,7 @@ import abc
 import time
 
 import torch
-from .chain import ChainLevel
+from .chain import ChainLevel, length_through_eos
 from .stats import LevelStats
 
 
@@ -96,9 +96,8 @@ class DrafterLevel(ChainLevel):
         self._prefix_length = input_ids.shape[1]
         tokens, log_probs = self.drafter.propose(input_ids, limit)
         tokens, log_probs = self._checked(tokens, log_probs, limit)
-        eos = [i for i, token in enumerate(tokens.tolist()) if token in self.eos_token_ids]
-        if eos:  # nothing after an EOS can be accepted
-            tokens, log_probs = tokens[: eos[0] + 1], None if log_probs is None else log_probs[: eos[0] + 1]
+        keep = length_through_eos(tokens, self.eos_token_ids)  # nothing after an EOS can be accepted
+        tokens, log_probs = tokens[:keep], None if log_probs is None else log_probs[:keep]
         self.stats.proposed += tokens.shape[0]
         self.stats.seconds += time.perf_counter() - started
         candidates = torch.cat([input_ids, tokens.to(input_ids.device).unsqueeze(0)], dim=1)

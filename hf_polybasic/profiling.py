@@ -12,14 +12,21 @@ These are the T_i and acceptance numbers the theory (Lemma 3.1, Theorem 3.2) con
 
 from __future__ import annotations
 
+import gc
+import json
+import platform
 import statistics
+import sys
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 
 from .cache import CachedModel, new_cache
-from .drafters import Drafter
+from .drafters import Drafter, PromptLookup
+from .levels import early_exit, quantized_copy
 
 
 @torch.no_grad()
@@ -141,9 +148,6 @@ PROFILE_PROMPTS = (
 def qwen_candidates(target, small):
     """(name, factory) for every way of building a level from the Qwen2.5-Coder pair; factories
     are called one at a time so at most one extra copy of the 1.5B is in memory."""
-    from .drafters import PromptLookup
-    from .levels import early_exit, quantized_copy
-
     half = target.config.num_hidden_layers // 2
     return [
         ("1.5B bf16 copy", lambda: quantized_copy(target, "bf16")),
@@ -158,14 +162,6 @@ def qwen_candidates(target, small):
 
 def run_levels_table(models_kind: str, k: int, new_tokens: int, stride: int, repeats: int, out) -> str:
     """Build the cost/agreement table for the Qwen pair (or tiny random models) and write it."""
-    import gc
-    import json
-    import platform
-    import sys
-    from pathlib import Path
-
-    from tqdm.auto import tqdm
-
     if models_kind == "qwen":
         from . import models
 
@@ -179,8 +175,6 @@ def run_levels_table(models_kind: str, k: int, new_tokens: int, stride: int, rep
         ]
         candidates = qwen_candidates(target, small)
     else:
-        from .drafters import PromptLookup
-        from .levels import early_exit, quantized_copy
         from .testing import make_target, noisy_copy, prompt
 
         target = make_target("llama", seed=0, layers=4)
