@@ -8,23 +8,34 @@ or opt in once per model with `enable`::
 
     hp.enable(target)
     out = target.generate(**inputs, assistant_models=[mid, draft], polybasic_config=hp.PolybasicConfig())
+
+To choose the chain, K and mu from measurements, profile a pool and plan::
+
+    plan = hp.plan(hp.profile(target, {"mid": mid, "draft": draft}, tokenizer, prompts))
+    out = target.generate(**inputs, custom_generate=hp.generate, assistant_models=plan.assistant_models,
+                          polybasic_config=plan.config)
 """
 
 from . import drafters, levels
 from .config import PolybasicConfig
 from .integration import PolybasicGenerateOutput, disable, enable, generate, last_stats
+from .planner import Plan, Profile, plan, profile
 from .stats import LevelStats, PolybasicStats
 
 __all__ = [
     "drafters",
     "levels",
     "LevelStats",
+    "Plan",
     "PolybasicConfig",
     "PolybasicGenerateOutput",
     "PolybasicStats",
+    "Profile",
     "disable",
     "enable",
     "generate",
     "last_stats",
+    "plan",
+    "profile",
 ]
 __version__ = "0.1.0"
