@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from .bench.cli import add_bench_parser
+from .planner_cli import add_plan_parser
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -68,6 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     levels.set_defaults(handler=_levels)
 
     add_bench_parser(commands)
+    add_plan_parser(commands)
     return parser
 
 

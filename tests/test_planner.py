@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import hf_polybasic as hp
+from hf_polybasic import cli
 from hf_polybasic.drafters import PromptLookup
 from hf_polybasic.planner import (
     Profile,
@@ -27,6 +28,9 @@ from hf_polybasic.planner import (
     walk_acceptance_length,
 )
 from hf_polybasic.testing import make_chain, make_tokenizer, prompt
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
 
 def _profile(costs, agreement, drafters=(), draft_lengths=None) -> Profile:
     kinds = {label: ("drafter" if label in drafters else "model") for label in costs}
@@ -345,3 +349,24 @@ def test_sampling_profile_records_overlaps(tiny_pool):
     assert 0.0 <= measured.acceptance_rate("target", "mid") <= 1.0 + 1e-6
     assert Profile.from_dict(json.loads(json.dumps(measured.to_dict()))) == measured
     assert hp.plan(measured).ranking
+
+
+def test_plan_command_validates_tiny_models_end_to_end(tmp_path, capsys):
+    out = tmp_path / "plan"
+    argv = [
+        "plan", "--models", "tiny", "--max-new-tokens", "8", "--prompts", "2", "--cost-repeats", "1",
+        "--early-exit-layers", "0", "--validate", "--grid", "tiny", "--repeats", "1", "--out", str(out),
+        "--no-progress",
+    ]
+    assert cli.main(argv) == 0
+    assert "Why each candidate is in or out" in capsys.readouterr().out
+    for name in ("profile.json", "plan.json", "plan.md", "validation.json", "validation.md"):
+        assert (out / name).stat().st_size > 0
+    assert (out / "predicted_vs_measured.png").read_bytes().startswith(PNG_MAGIC)
+    record = json.loads((out / "validation.json").read_text())
+    assert record["configurations"] and all(row["identical_to_plain"] for row in record["configurations"])
+    columns = {"lemma_verdict", "paper_verdict", "measured_before", "measured_after"}
+    assert record["table_1"] and columns <= set(record["table_1"][0])
+    assert 0 < record["planner"]["ratio"] <= 1.0 + 1e-9
+    assert Profile.load(out / "profile.json").order[0] == "target"
+    assert "Table 1" in (out / "validation.md").read_text()
