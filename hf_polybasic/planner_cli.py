@@ -323,7 +323,8 @@ def validate(
                 "chain": list(setting.chain),
                 "num_draft_tokens": setting.num_draft_tokens,
                 "block_thresholds": list(setting.block_thresholds),
-                "predicted_speedup": setting.speedup,
+                "predicted_speedup": setting.speedup_for(max_new_tokens),
+                "predicted_speedup_long": setting.speedup,
                 "lemma_speedup": setting.lemma_speedup,
                 "measured_speedup": measured.tokens_per_second / plain.tokens_per_second,
                 "predicted_lengths": [lv.acceptance_length for lv in setting.levels[:-1]],
@@ -345,7 +346,7 @@ def validate(
         "configurations": rows,
         "planner": {
             "choice": setting_name(the_plan.best),
-            "predicted_speedup": the_plan.predicted_speedup,
+            "predicted_speedup": the_plan.best.speedup_for(max_new_tokens),
             "measured_speedup": chosen_speedup,
             "best_measured": best["name"] if best and best["measured_speedup"] > 1.0 else "plain generate",
             "best_measured_speedup": best_speedup,
@@ -389,18 +390,22 @@ def validation_markdown(record: dict[str, Any], header: str) -> str:
         "",
         "## Every configuration",
         "",
-        "L per verifying level, target first: predicted and measured tokens per verification (accepted + 1), and "
-        "measured N / F_i (the reading that makes Lemma 3.1 exact).",
+        f"Predicted: for calls of {record['max_new_tokens']} new tokens, every model's prefill included (what is "
+        "measured); long: per token of long generations; Lemma 3.1: with the predicted L_i, T_i = 1-token costs, "
+        "long generations. L per verifying level, target first: predicted and measured tokens per verification "
+        "(accepted + 1), and measured N / F_i (the reading that makes Lemma 3.1 exact).",
         "",
-        "| configuration | predicted | Lemma 3.1 | measured | measured / predicted | tokens/s | L predicted | "
+        "| configuration | predicted | long | Lemma 3.1 | measured | measured / predicted | tokens/s | L predicted | "
         "L measured | N / F_i | identical to plain |",
-        "|---|---:|---:|---:|---:|---:|---|---|---|---|",
+        "|---|---:|---:|---:|---:|---:|---:|---|---|---|---|",
     ]
     for row in sorted(record["configurations"], key=lambda r: -r["measured_speedup"]):
         mark = " **(plan)**" if row["is_plan"] else ""
         lemma = "-" if row["lemma_speedup"] is None else f"{row['lemma_speedup']:.2f}x"
         lines.append(
-            f"| {row['name']}{mark} | {row['predicted_speedup']:.2f}x | {lemma} | {row['measured_speedup']:.2f}x | "
+            f"| {row['name']}{mark} | {row['predicted_speedup']:.2f}x | {row['predicted_speedup_long']:.2f}x | "
+            f"{lemma} | "
+            f"{row['measured_speedup']:.2f}x | "
             f"{row['measured_speedup'] / row['predicted_speedup']:.2f} | {row['tokens_per_second']:.2f} | "
             f"{_numbers(row['predicted_lengths'])} | {_numbers(row['measured_per_verification_lengths'])} | "
             f"{_numbers(row['measured_lengths'])} | {row['identical_to_plain']} |"
@@ -483,6 +488,9 @@ def add_plan_parser(commands) -> argparse.ArgumentParser:
     parser.add_argument("--prompts", type=int, default=4, help="default benchmark prompts to use (one per task group)")
     parser.add_argument("--cost-repeats", type=int, default=3, help="timed forwards per cost (median)")
     parser.add_argument("--max-levels", type=int, default=None, help="most models per chain, the target included")
+    parser.add_argument("--plan-tokens", type=int, default=None,
+                        help="plan for calls making this many tokens, prefills included (default: --max-new-tokens, "
+                        "the validation budget; 0: per token of long generations)")
     parser.add_argument("--early-exit-layers", type=int, default=None,
                         help="layers of the target's early-exit candidate (default 14 qwen, 1 tiny; 0: none)")
     parser.add_argument("--out", default=None, help="output directory (default: plan-results/<models>)")
@@ -515,7 +523,8 @@ def run_from_args(args: argparse.Namespace) -> int:
     )
     the_profile.info["command"] = " ".join(["hf-polybasic", *sys.argv[1:]])
     the_profile.info["models"] = pool.model_set.info
-    the_plan = plan(the_profile, max_levels=args.max_levels)
+    plan_tokens = args.max_new_tokens if args.plan_tokens is None else (args.plan_tokens or None)
+    the_plan = plan(the_profile, max_levels=args.max_levels, new_tokens=plan_tokens)
     report = f"# Plan ({args.models})\n\n## Profile\n\n{the_profile.markdown()}\n\n## Plan\n\n{the_plan.markdown()}\n"
     print(report)
     the_profile.save(out / "profile.json")

@@ -20,6 +20,7 @@ from hf_polybasic.planner import (
     expected_run_length,
     expected_verifications,
     interpolate_cost,
+    nondecreasing,
     plan,
     predict,
     predict_time_per_token,
@@ -73,7 +74,10 @@ def test_interpolate_cost_is_linear_and_extrapolates_from_the_last_two_points():
     assert interpolate_cost(points, 2) == 1.5
     assert interpolate_cost(points, 5) == 3.0
     assert interpolate_cost({1: 0.25}, 12) == 0.25
-    assert interpolate_cost({1: 1.0, 8: 2.0, 16: 1.9}, 30) == 1.9  # never below the last measured value
+    # a longer forward never costs less: the noisy 16-token point is pooled with the 8-token one
+    assert nondecreasing([1.0, 2.0, 1.9]) == pytest.approx([1.0, 1.95, 1.95])
+    assert nondecreasing([3.0, 1.0, 2.0, 5.0]) == [2.0, 2.0, 2.0, 5.0]
+    assert interpolate_cost({1: 1.0, 8: 2.0, 16: 1.9}, 30) == pytest.approx(1.95)
 
 
 def test_predict_two_models_exact_arithmetic():
@@ -175,6 +179,29 @@ def test_plan_drops_a_costly_useless_middle_model_and_theorem_3_2_rejects_it():
     assert insertion.beta == insertion.after.num_draft_tokens
     assert not insertion.verdict.helps and not insertion.verdict.paper_says_helps
     assert "Lemma-3.1 test rejects it" in mid.text and "paper's conditions reject it" in mid.text
+
+
+def test_prefill_decides_short_generations_but_not_long_ones():
+    profile_ = Profile(
+        kinds={"target": "model", "mid": "model", "draft": "model"},
+        costs={"target": {1: 1.0}, "mid": {1: 0.3}, "draft": {1: 0.05}},
+        agreement={
+            ("target", "mid"): [[1] * 40],
+            ("target", "draft"): [[1, 1, 0] * 13 + [1]],
+            ("mid", "draft"): [[1, 1, 1, 0] * 10],
+        },
+        prefill={"target": 5.0, "mid": 5.0, "draft": 0.2},
+    )
+    assert plan(profile_).chain == ("target", "mid", "draft")  # per token, the strong middle level pays
+    short = plan(profile_, new_tokens=8)  # but its prefill does not, over 8 tokens
+    assert short.chain == ("target", "draft") and short.new_tokens == 8
+    best = short.best
+    assert best.prefill_seconds == 5.2
+    assert best.seconds_for(8) == pytest.approx(5.2 + 8 * best.time_per_token)
+    assert short.predicted_speedup == pytest.approx((5.0 + 8 * 1.0) / best.seconds_for(8))
+    assert Profile.from_dict(json.loads(json.dumps(profile_.to_dict()))).prefill == profile_.prefill
+    with pytest.raises(ValueError, match="new_tokens must be an int >= 1"):
+        plan(profile_, new_tokens=0)
 
 
 def test_plan_advises_plain_generate_when_no_chain_pays():
