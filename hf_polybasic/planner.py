@@ -402,17 +402,27 @@ class Profile:
     info: dict[str, Any] = field(default_factory=dict)
     models: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
+    _acceptances: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+
     def __post_init__(self) -> None:
         self.kinds = dict(self.kinds)
+        self.costs = {label: {int(k): float(v) for k, v in points.items()} for label, points in self.costs.items()}
+        self.prefill = {label: float(seconds) for label, seconds in self.prefill.items()}
+        self._check_levels()
+        self._check_pairs()
+
+    def _check_levels(self) -> None:
         if self.kinds.get(TARGET) != MODEL:
             raise ValueError(f"Profile.kinds must hold {TARGET!r} as a 'model', got {self.kinds.get(TARGET)!r}")
+        for table_name, table in (("costs", self.costs), ("prefill", self.prefill)):
+            unknown = sorted(set(table) - set(self.kinds))
+            if unknown:
+                raise ValueError(f"Profile.{table_name} has labels {unknown} that are not in Profile.kinds")
         for label, kind in self.kinds.items():
             if kind not in (MODEL, DRAFTER):
                 raise ValueError(f"Profile.kinds[{label!r}] must be 'model' or 'drafter', got {kind!r}")
-            points = self.costs.get(label)
-            if not points:
+            if not self.costs.get(label):
                 raise ValueError(f"Profile.costs has no measurements for {label!r}")
-            self.costs[label] = {int(k): float(v) for k, v in points.items()}
             for k, seconds in self.costs[label].items():
                 if k < 1 or not seconds > 0:
                     raise ValueError(
@@ -420,13 +430,10 @@ class Profile:
                     )
             if kind == DRAFTER and label not in self.proposal_lengths and label not in self.draft_lengths:
                 raise ValueError(f"Drafter {label!r} needs proposal_lengths or draft_lengths in the Profile")
-        for table_name, table in (("costs", self.costs), ("prefill", self.prefill)):
-            unknown = sorted(set(table) - set(self.kinds))
-            if unknown:
-                raise ValueError(f"Profile.{table_name} has labels {unknown} that are not in Profile.kinds")
-        self.prefill = {label: float(seconds) for label, seconds in self.prefill.items()}
         if any(seconds < 0 for seconds in self.prefill.values()):
             raise ValueError(f"Profile.prefill must hold seconds >= 0, got {self.prefill}")
+
+    def _check_pairs(self) -> None:
         for table_name, table in (("agreement", self.agreement), ("overlaps", self.overlaps)):
             for upper, lower in table:
                 for label in (upper, lower):
@@ -484,14 +491,12 @@ class Profile:
         return float(np.mean(values)) if values else 0.0
 
     def acceptance(self, upper: str, lower: str) -> Acceptance:
-        """The `Acceptance` model of ``upper`` verifying ``lower``'s stream (cached)."""
-        return self._acceptances(self._pair(upper, lower))
-
-    def _acceptances(self, key: tuple[str, str]) -> Acceptance:
-        cache = self.__dict__.setdefault("_acceptance_cache", {})
-        if key not in cache:
-            cache[key] = self._build_acceptance(*key)
-        return cache[key]
+        """The `Acceptance` model of ``upper`` verifying ``lower``'s stream (cached: treat the
+        agreement and overlap tables as read-only once built)."""
+        key = self._pair(upper, lower)
+        if key not in self._acceptances:
+            self._acceptances[key] = self._build_acceptance(*key)
+        return self._acceptances[key]
 
     def _build_acceptance(self, upper: str, lower: str) -> Acceptance:
         indicators = tuple(tuple(p) for p in self.agreement[(upper, lower)])
@@ -793,87 +798,17 @@ def profile(
         target, do_sample=do_sample, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
         repetition_penalty=repetition_penalty,
     )
-    sampling = decoding["do_sample"]
-    processors = decoding_processors(decoding)
-    vocab = _vocab_size(target)
-
-    # the reference text: the target's greedy continuation of each prompt
-    sequences = []
-    for prompt in tqdm(prompts, desc="reference (target greedy)", disable=not progress):
-        ids = encode_prompt(tokenizer, prompt).to(target.device)
-        out = target.generate(
-            ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new_tokens,
-            repetition_penalty=decoding["repetition_penalty"], **dict(generate_kwargs or {}),
-        )
-        if out.shape[1] <= ids.shape[1]:
-            continue  # nothing generated (EOS at once): no positions to profile
-        sequences.append((out.cpu(), ids.shape[1]))
-    if not sequences:
-        raise ValueError("the target generated no token for any prompt; profile other prompts")
-
+    sequences = _reference_texts(target, tokenizer, prompts, max_new_tokens, decoding, generate_kwargs, progress)
     models = {TARGET: target, **pool}
     kinds = {label: DRAFTER if isinstance(m, Drafter) else MODEL for label, m in models.items()}
-    agreement: dict[tuple[str, str], list] = {}
-    overlaps: dict[tuple[str, str], list] = {}
-    proposal_lengths: dict[str, list] = {label: [] for label, kind in kinds.items() if kind == DRAFTER}
-    propose_seconds: dict[str, list[float]] = {label: [] for label in proposal_lengths}
-
-    bar = tqdm(total=len(sequences) * len(models), desc="teacher forcing", disable=not progress)
-    readings_per_prompt = []
-    for sequence, start in sequences:
-        readings = {}
-        for label, model in models.items():
-            if kinds[label] == DRAFTER:
-                readings[label] = _read_drafter(model, sequence, start, max_new_tokens, propose_seconds[label])
-                proposal_lengths[label].append(readings[label].lengths)
-            else:  # the target's forward too: it times its prefill (and gives p_target when sampling)
-                readings[label] = _read_model(model, sequence, start, processors, sampling, vocab)
-            if label == TARGET:  # its argmax is the text itself (one long forward may round a near-tie differently)
-                readings[label].tokens = sequence[0, start:]
-            bar.update()
-        readings_per_prompt.append(readings)
-    bar.close()
-
-    # prefill of the mean prompt: the median per-token rate of the teacher-forced forwards (robust to a
-    # first, cold call) times the mean prompt length; a Drafter has none
-    mean_prompt = statistics.mean(start for _, start in sequences)
-    prefill = {
-        label: statistics.median(r[label].seconds_per_token for r in readings_per_prompt) * mean_prompt
-        for label in models
-        if kinds[label] == MODEL
-    }
-
-    costs: dict[str, dict[int, float]] = {}
-    prefix = sequences[0][0]
-    total = sum(len(sizes) if kind == MODEL else 1 for kind in kinds.values())
-    bar = tqdm(total=total, desc="forward costs", disable=not progress)
-    for label, model in models.items():
-        if kinds[label] == DRAFTER:
-            costs[label] = {1: max(statistics.median(propose_seconds[label]), 1e-9)}
-            bar.update()
-            continue
-        costs[label] = {}
-        for k in sizes:
-            costs[label][k] = forward_cost(model, prefix.to(model.device), k, repeats)
-            bar.update()
-    bar.close()
-
-    order = cost_order(kinds, costs)
-    for i, upper in enumerate(order):
-        if kinds[upper] == DRAFTER:
-            continue
-        for lower in order[i + 1 :]:
-            key = (upper, lower)
-            agreement[key], overlaps_here = [], []
-            for readings in readings_per_prompt:
-                indicators, overlap = _pair_readings(readings[upper], readings[lower], sampling)
-                agreement[key].append(indicators)
-                overlaps_here.append(overlap)
-            if sampling:
-                overlaps[key] = overlaps_here
+    readings, propose_seconds = _read_levels(models, sequences, decoding, max_new_tokens, progress)
+    costs = _measure_costs(models, sequences[0][0], sizes, repeats, propose_seconds, progress)
+    agreement, overlaps = _pair_tables(cost_order(kinds, costs), kinds, readings, decoding["do_sample"])
+    drafters = [label for label, kind in kinds.items() if kind == DRAFTER]
+    proposal_lengths = {label: [r[label].lengths for r in readings] for label in drafters}
     draft_lengths = {
         label: int(getattr(models[label], "num_tokens", 0) or max(max(p, default=0) for p in proposal_lengths[label]))
-        for label in proposal_lengths
+        for label in drafters
     }
     info = {
         "prompts": len(sequences),
@@ -882,14 +817,94 @@ def profile(
         "max_new_tokens": max_new_tokens,
         "block_sizes": sizes,
         "repeats": repeats,
-        "cost_context_tokens": int(prefix.shape[1]),
+        "cost_context_tokens": int(sequences[0][0].shape[1]),
         "labels": {label: _describe(m) for label, m in models.items()},
         "machine": {"platform": platform.platform(), "threads": torch.get_num_threads(), "torch": torch.__version__},
     }
     return Profile(
         kinds=kinds, costs=costs, agreement=agreement, overlaps=overlaps, proposal_lengths=proposal_lengths,
-        draft_lengths=draft_lengths, prefill=prefill, decoding=decoding, info=info, models=models,
+        draft_lengths=draft_lengths, prefill=_prefill_seconds(readings, sequences), decoding=decoding, info=info,
+        models=models,
     )
+
+
+def _reference_texts(target, tokenizer, prompts, max_new_tokens, decoding, generate_kwargs, progress):
+    """(prompt + the target's greedy continuation [1, L + m] on CPU, L) per prompt that got m >= 1."""
+    sequences = []
+    for prompt in tqdm(prompts, desc="reference (target greedy)", disable=not progress):
+        ids = encode_prompt(tokenizer, prompt).to(target.device)
+        out = target.generate(
+            ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new_tokens,
+            repetition_penalty=decoding["repetition_penalty"], **dict(generate_kwargs or {}),
+        )
+        if out.shape[1] > ids.shape[1]:  # else EOS at once: no positions to profile
+            sequences.append((out.cpu(), ids.shape[1]))
+    if not sequences:
+        raise ValueError("the target generated no token for any prompt; profile other prompts")
+    return sequences
+
+
+def _read_levels(models, sequences, decoding, max_new_tokens, progress):
+    """Per prompt, label -> `_LevelReading`; and per Drafter the seconds of each propose call."""
+    processors = decoding_processors(decoding)
+    vocab = _vocab_size(models[TARGET])
+    propose_seconds = {label: [] for label, m in models.items() if isinstance(m, Drafter)}
+    bar = tqdm(total=len(sequences) * len(models), desc="teacher forcing", disable=not progress)
+    readings = []
+    for sequence, start in sequences:
+        here = {}
+        for label, model in models.items():
+            if isinstance(model, Drafter):
+                here[label] = _read_drafter(model, sequence, start, max_new_tokens, propose_seconds[label])
+            else:  # the target's forward too: it times its prefill (and gives p_target when sampling)
+                here[label] = _read_model(model, sequence, start, processors, decoding["do_sample"], vocab)
+            bar.update()
+        here[TARGET].tokens = sequence[0, start:]  # its argmax is the text (one long forward may round a tie)
+        readings.append(here)
+    bar.close()
+    return readings, propose_seconds
+
+
+def _measure_costs(models, prefix, sizes, repeats, propose_seconds, progress) -> dict[str, dict[int, float]]:
+    """label -> {k: seconds}: `profiling.forward_cost` after ``prefix``; a Drafter: median propose."""
+    costs = {}
+    total = sum(1 if isinstance(m, Drafter) else len(sizes) for m in models.values())
+    bar = tqdm(total=total, desc="forward costs", disable=not progress)
+    for label, model in models.items():
+        if isinstance(model, Drafter):
+            costs[label] = {1: max(statistics.median(propose_seconds[label]), 1e-9)}
+            bar.update()
+            continue
+        costs[label] = {}
+        for k in sizes:
+            costs[label][k] = forward_cost(model, prefix.to(model.device), k, repeats)
+            bar.update()
+    bar.close()
+    return costs
+
+
+def _pair_tables(order, kinds, readings, sampling: bool):
+    """(agreement, overlaps) for every (upper, lower) with upper above lower in ``order``."""
+    agreement, overlaps = {}, {}
+    for i, upper in enumerate(order):
+        if kinds[upper] == DRAFTER:
+            continue
+        for lower in order[i + 1 :]:
+            pairs = [_pair_readings(here[upper], here[lower], sampling) for here in readings]
+            agreement[(upper, lower)] = [indicators for indicators, _ in pairs]
+            if sampling:
+                overlaps[(upper, lower)] = [overlap for _, overlap in pairs]
+    return agreement, overlaps
+
+
+def _prefill_seconds(readings, sequences) -> dict[str, float]:
+    """Prefill of the mean prompt per model: the median per-token rate of its teacher-forced
+    forwards (robust to a first, cold call) times the mean prompt length."""
+    mean_prompt = statistics.mean(start for _, start in sequences)
+    labels = [label for label, reading in readings[0].items() if reading.seconds_per_token is not None]
+    return {
+        label: statistics.median(here[label].seconds_per_token for here in readings) * mean_prompt for label in labels
+    }
 
 
 def _describe(model) -> str:
