@@ -6,7 +6,8 @@ the target and ``PromptLookup(max_ngram=3, num_tokens=8)``; ``tiny`` is the same
 random models (mechanics only: their forwards cost so little that per-call overheads dominate).
 
 ``--validate`` times a small grid of configurations (`validation_grid`) with ``target.generate``
-against plain ``generate`` on the same prompts (greedy, same budget, median of ``--repeats``), and
+against plain ``generate`` on the same prompts (greedy, same budget, median of ``--repeats``, the
+repeats outermost so that drift of a shared machine hits every configuration alike), and
 writes predicted vs measured speedups, the planner's choice vs the best measured configuration, and
 the paper's Table 1 for every insertion of a middle model (`insertion_rows`), with measured
 acceptance lengths read as in `hf_polybasic.theory.TimeModelInputs` (N / F_i).
@@ -158,54 +159,51 @@ class Measurement:
         }
 
 
-def measure(
-    pool: Pool,
-    prompts: Sequence[torch.LongTensor],
-    setting: ChainPrediction,
-    models: dict[str, Any],
-    max_new_tokens: int,
-    repeats: int,
-    reference: list[list[int]] | None = None,
-) -> tuple[Measurement, list[list[int]]]:
-    """Time ``setting`` (plain when its chain is the target alone) on ``prompts``; also its outputs."""
-    options = {"do_sample": False, **pool.generate_options}
-    kwargs = {}
-    if not setting.is_plain:
-        kwargs = {
-            "custom_generate": polybasic_generate,
-            "assistant_models": [models[label] for label in setting.chain[1:]],
-            "polybasic_config": setting.config(),
-        }
+class Runner:
+    """Runs one configuration (plain when its chain is the target alone) on the validation prompts,
+    accumulating its `Measurement` over repeats."""
 
-    def run(ids, tokens):
-        mask = torch.ones_like(ids)
-        return pool.target.generate(ids, attention_mask=mask, max_new_tokens=tokens, **options, **kwargs)
+    def __init__(self, pool: Pool, setting: ChainPrediction, models: dict[str, Any], max_new_tokens: int):
+        self.pool, self.setting, self.max_new_tokens = pool, setting, max_new_tokens
+        self.options = {"do_sample": False, **pool.generate_options}
+        self.chain_kwargs = {}
+        if not setting.is_plain:
+            self.chain_kwargs = {
+                "custom_generate": polybasic_generate,
+                "assistant_models": [models[label] for label in setting.chain[1:]],
+                "polybasic_config": setting.config(),
+            }
+        self.measurement = Measurement(setting_name(setting), [], 0)
+        self.outputs: list[list[int]] = []
 
-    run(prompts[0], WARMUP_TOKENS)
-    seconds, outputs, new_tokens = [], [], 0
-    counts: dict[str, list[int]] = {}
-    for repeat in range(repeats):
-        total = 0.0
+    def _generate(self, ids: torch.LongTensor, tokens: int) -> torch.LongTensor:
+        return self.pool.target.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=tokens, **self.options, **self.chain_kwargs
+        )
+
+    def warm_up(self, prompts: Sequence[torch.LongTensor]) -> None:
+        self._generate(prompts[0], WARMUP_TOKENS)
+
+    def run_once(self, prompts: Sequence[torch.LongTensor]) -> None:
+        """One timed pass over every prompt; the first pass also records outputs and statistics."""
+        first = not self.measurement.seconds
+        total, counts = 0.0, {}
         for ids in prompts:
             started = time.perf_counter()
-            out = run(ids, max_new_tokens)
+            out = self._generate(ids, self.max_new_tokens)
             total += time.perf_counter() - started
-            if repeat == 0:
-                outputs.append(out[0, ids.shape[1] :].tolist())
-                new_tokens += len(outputs[-1])
-                stats = last_stats(pool.target) if kwargs else None
-                if stats is not None:
-                    for key in ("forward_passes", "verifications", "accepted"):
-                        values = [getattr(level, key) for level in stats.levels]
-                        counts[key] = [a + b for a, b in zip(counts.get(key, [0] * len(values)), values)]
-        seconds.append(total)
-    identical = None if reference is None else outputs == reference
-    verifying = {key: counts[key][:-1] for key in ("verifications", "accepted") if key in counts}
-    measurement = Measurement(
-        setting_name(setting), seconds, new_tokens, counts.get("forward_passes"),
-        verifying.get("verifications"), verifying.get("accepted"), identical,
-    )
-    return measurement, outputs
+            if first:
+                self.outputs.append(out[0, ids.shape[1] :].tolist())
+                self.measurement.new_tokens += len(self.outputs[-1])
+                stats = last_stats(self.pool.target) if self.chain_kwargs else None
+                for key in ("forward_passes", "verifications", "accepted") if stats is not None else ():
+                    values = [getattr(level, key) for level in stats.levels]
+                    counts[key] = [a + b for a, b in zip(counts.get(key, [0] * len(values)), values)]
+        self.measurement.seconds.append(total)
+        if counts:
+            self.measurement.forward_passes = counts["forward_passes"]
+            self.measurement.verifications = counts["verifications"][:-1]  # the bottom never verifies
+            self.measurement.accepted = counts["accepted"][:-1]
 
 
 def setting_name(setting: ChainPrediction) -> str:
@@ -307,15 +305,22 @@ def validate(
 ) -> dict[str, Any]:
     """Measure plain generate and every configuration of `validation_grid`; the validation record."""
     settings = validation_grid(the_profile, the_plan.best, grid)
-    models = the_profile.models
     plain_setting = predict((TARGET,), None, None, the_profile)
-    bar = tqdm(total=len(settings) + 1, desc="validation (timed generate)", disable=not progress)
-    plain, reference = measure(pool, prompts, plain_setting, models, max_new_tokens, repeats)
-    bar.update()
+    runners = [Runner(pool, setting, the_profile.models, max_new_tokens) for setting in [plain_setting, *settings]]
+    for runner in tqdm(runners, desc="validation warm-up", disable=not progress):
+        runner.warm_up(prompts)
+    # repeats outermost, so that slow drift of a shared machine hits every configuration alike
+    bar = tqdm(total=len(runners) * repeats, desc="validation (timed generate)", disable=not progress)
+    for _ in range(repeats):
+        for runner in runners:
+            runner.run_once(prompts)
+            bar.update()
+    bar.close()
+    plain, reference = runners[0].measurement, runners[0].outputs
     rows = []
-    for setting in settings:
-        measured, _ = measure(pool, prompts, setting, models, max_new_tokens, repeats, reference)
-        bar.update()
+    for runner in runners[1:]:
+        setting, measured = runner.setting, runner.measurement
+        measured.identical = runner.outputs == reference
         inputs = measured.time_model_inputs(the_profile.is_drafter(setting.chain[-1]))
         rows.append(
             {
@@ -336,7 +341,6 @@ def validate(
                 **{key: value for key, value in measured.to_dict().items() if key != "name"},
             }
         )
-    bar.close()
     best = max(rows, key=lambda row: row["measured_speedup"], default=None)
     chosen = next((row for row in rows if row["is_plan"]), None)
     chosen_speedup = 1.0 if chosen is None else chosen["measured_speedup"]
@@ -531,6 +535,11 @@ def run_from_args(args: argparse.Namespace) -> int:
     (out / "plan.json").write_text(json.dumps(the_plan.to_dict(), indent=1) + "\n")
     (out / "plan.md").write_text(report)
     if args.validate:
+        count = len(validation_grid(the_profile, the_plan.best, args.grid)) + 1
+        print(
+            f"validation: {count} configurations (plain included) x {args.repeats} repeat(s) x {len(prompts)} "
+            f"prompt(s) of {args.max_new_tokens} tokens = {count * args.repeats * len(prompts)} timed generate calls"
+        )
         record = validate(pool, the_profile, the_plan, prompts, args.max_new_tokens, args.repeats, args.grid, progress)
         record["command"] = the_profile.info["command"]
         record["machine"] = {
