@@ -1263,14 +1263,20 @@ class Explanation:
         }
 
 
+def _grown(profile: Profile, chain: tuple[str, ...], label: str) -> tuple[str, ...] | None:
+    """``chain`` with ``label`` added at its place in the cost order; None when that is no chain
+    (``chain`` is plain decoding, or both would hold a Drafter)."""
+    if len(chain) == 1 or (profile.is_drafter(label) and profile.is_drafter(chain[-1])):
+        return None
+    return tuple(sorted((*chain, label), key=profile.order.index))
+
+
 def _insertion(profile: Profile, label: str, base: ChainPrediction, best_of: Mapping) -> Insertion | None:
     """Theorem 3.2 for adding ``label`` to ``base``; None unless it lands between two levels."""
-    if base.is_plain:
+    chain = _grown(profile, base.chain, label)
+    if chain is None or chain.index(label) == len(chain) - 1:
         return None
-    chain = tuple(sorted((*base.chain, label), key=profile.order.index))
     position = chain.index(label)
-    if position == len(chain) - 1:
-        return None
     after = best_of[chain]
     thresholds = tuple(mu for level, mu in zip(chain[1:-1], after.block_thresholds) if level != label)
     before = predict(base.chain, after.num_draft_tokens, thresholds, profile)
@@ -1299,6 +1305,8 @@ def _explanation_text(label: str, included: bool, best_with, best_without, inser
     if insertion is None:
         if best_without.is_plain:
             return text + " Nothing without it beats plain decoding, so Theorem 3.2 (a middle level) does not apply."
+        if profile.is_drafter(label) and profile.is_drafter(best_without.chain[-1]):
+            return text + f" A chain holds one Drafter (at the bottom): it competes with {best_without.chain[-1]}."
         where = "Drafter" if profile.is_drafter(label) else "cheapest model"
         return text + (
             f" As the {where} it would be the new bottom of {best_without.name}, not a middle level, so Theorem 3.2 "
@@ -1455,7 +1463,8 @@ def plan(
     new_tokens: int | None = None,
     candidates: Mapping[str, Any] | None = None,
 ) -> Plan:
-    """The chain (and K, mu) with the least predicted time per token, or plain decoding.
+    """The chain (and K, mu) with the least predicted time (per token, or per call of ``new_tokens``
+    tokens), or plain decoding when no chain beats it.
 
     Args:
         profile: from `profile` (or `Profile.load`).
@@ -1485,23 +1494,19 @@ def plan(
     plain = predict((TARGET,), None, None, profile)
     best_of = {chain: best_setting(profile, chain, k_grid, mu_grid) for chain in candidate_chains(profile, max_levels)}
     best_of[(TARGET,)] = plain
+    # fastest first; on a tie the shorter chain, so plain decoding wins unless a chain beats it
     ranking = sorted(best_of.values(), key=lambda p: (p.seconds_for(new_tokens), len(p.chain)))
     best = ranking[0]
-    if best.seconds_for(new_tokens) >= plain.seconds_for(new_tokens):
-        best = plain
-        ranking = [plain] + [row for row in ranking if not row.is_plain]
 
-    # the insertion test needs the chain with each candidate added to the best chain without it
     explanations = []
     for label in profile.candidates:
         with_it = next((row for row in ranking if label in row.chain), None)
         if with_it is None:  # max_levels excluded every chain with it
             continue
         without = next(row for row in ranking if label not in row.chain)
-        if not without.is_plain:
-            grown = tuple(sorted((*without.chain, label), key=profile.order.index))
-            if grown not in best_of:
-                best_of[grown] = best_setting(profile, grown, k_grid, mu_grid)
+        grown = _grown(profile, without.chain, label)
+        if grown is not None and grown not in best_of:  # the insertion test needs it at its best setting
+            best_of[grown] = best_setting(profile, grown, k_grid, mu_grid)
         insertion = _insertion(profile, label, without, best_of)
         included = label in best.chain
         text = _explanation_text(label, included, with_it, without, insertion, profile, new_tokens)

@@ -157,6 +157,24 @@ def test_plan_picks_a_free_perfect_drafter():
     assert json.loads(json.dumps(result.to_dict()))["chain"] == ["target", "lookup"]
 
 
+def test_two_drafters_compete_for_the_bottom():
+    profile_ = _profile(
+        {"target": {1: 1.0}, "mid": {1: 0.3}, "lookup": {1: 1e-6}, "other": {1: 1e-6}},
+        {
+            ("target", "mid"): [[1, 1, 0] * 10],
+            ("target", "lookup"): [[1] * 30], ("target", "other"): [[1, 0] * 15],
+            ("mid", "lookup"): [[1] * 30], ("mid", "other"): [[1, 0] * 15],
+        },
+        drafters=("lookup", "other"),
+        draft_lengths={"lookup": 8, "other": 8},
+    )
+    assert all(sum(label in ("lookup", "other") for label in chain) <= 1 for chain in candidate_chains(profile_))
+    result = plan(profile_)
+    assert result.chain == ("target", "lookup")
+    other = next(e for e in result.explanations if e.label == "other")
+    assert not other.included and other.insertion is None and "competes with lookup" in other.text
+
+
 def test_plan_drops_a_costly_useless_middle_model_and_theorem_3_2_rejects_it():
     profile_ = _profile(
         {"target": {1: 1.0}, "mid": {1: 0.9}, "draft": {1: 0.05}},
