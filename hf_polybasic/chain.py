@@ -34,6 +34,7 @@ from transformers.generation import CandidateGenerator, LogitsProcessorList
 
 from .cache import CachedModel
 from .processing import process_positions
+from .schedule import ProposalSchedule
 from .stats import LevelStats
 from .verify import greedy_verify, speculative_verify
 
@@ -83,6 +84,8 @@ class ChainLevel(CandidateGenerator):
     """
 
     _prefix_length = 0
+    # how many tokens this level proposes per round; None: fixed by the level itself
+    schedule: ProposalSchedule | None = None
 
     def update_candidate_strategy(self, input_ids, scores, num_matches: int) -> None:
         """The level above kept ``num_matches`` of the tokens of the last `get_candidates`."""
@@ -112,16 +115,18 @@ class ModelDrafter(ChainLevel):
         num_draft_tokens: int,
         stats: LevelStats,
         greedy_drafts: bool = False,
+        schedule: ProposalSchedule | None = None,
     ):
         self.runner = runner
         self.rules = rules
-        self.num_draft_tokens = num_draft_tokens
         self.stats = stats
         self.samples = rules.do_sample and not greedy_drafts
+        self.schedule = schedule or ProposalSchedule("constant", num_draft_tokens, num_draft_tokens)
 
     def get_candidates(self, input_ids: torch.LongTensor, max_new_tokens: int | None = None):
         started = time.perf_counter()
-        limit = self.num_draft_tokens if max_new_tokens is None else min(self.num_draft_tokens, max_new_tokens)
+        length = self.schedule.length()
+        limit = length if max_new_tokens is None else min(length, max_new_tokens)
         self._prefix_length = input_ids.shape[1]
         sequence = input_ids
         log_probs = []
@@ -137,10 +142,15 @@ class ModelDrafter(ChainLevel):
             sequence = torch.cat([sequence, token.to(sequence.device)], dim=1)
             if int(token) in self.rules.eos_token_ids:
                 break
+            # the token just drawn is kept whatever it is; only whether to draw another depends on it
+            if not self.schedule.keep_drafting(float(scores.softmax(-1)[0, int(token)])):
+                break
         drafted = sequence.shape[1] - input_ids.shape[1]
+        elapsed = time.perf_counter() - started
+        self.schedule.observe_proposal(drafted, elapsed)
         self.stats.proposed += drafted
         self.stats.forward_passes = self.runner.forward_passes
-        self.stats.seconds += time.perf_counter() - started
+        self.stats.seconds += elapsed
         proposal = torch.cat(log_probs, dim=0).unsqueeze(0) if log_probs else None
         return sequence, proposal
 
@@ -160,8 +170,10 @@ class ModelDrafter(ChainLevel):
 class VerifyingLevel(ChainLevel):
     """A model that verifies the stream of the level below it.
 
-    As an intermediate level (``block_threshold`` = mu) it is itself a candidate generator for the
-    level above; as the target (``block_threshold=None``) the engine calls `verify_round` directly.
+    As an intermediate level (``block_threshold`` = mu, or a ``schedule`` that varies it) it is
+    itself a candidate generator for the level above; as the target (neither given) the engine
+    calls `verify_round` directly. After each verification it reports the outcome to the child's
+    schedule.
     ``greedy_proposals`` makes it verify by argmax and hand up a point mass even when sampling.
     """
 
@@ -173,12 +185,15 @@ class VerifyingLevel(ChainLevel):
         stats: LevelStats,
         block_threshold: int | None = None,
         greedy_proposals: bool = False,
+        schedule: ProposalSchedule | None = None,
     ):
         self.runner = runner
         self.child = child
         self.rules = rules
         self.stats = stats
-        self.block_threshold = block_threshold
+        if schedule is None and block_threshold is not None:
+            schedule = ProposalSchedule("constant", block_threshold, block_threshold)
+        self.schedule = schedule
         self.samples = rules.do_sample and not greedy_proposals
 
     # --- one verification --------------------------------------------------------------------
@@ -202,7 +217,10 @@ class VerifyingLevel(ChainLevel):
         self.stats.record_verification(num_drafted, num_accepted)
         self.runner.rollback_to(prefix_length + num_accepted)
         self.stats.forward_passes = self.runner.forward_passes
-        self.stats.seconds += time.perf_counter() - started
+        elapsed = time.perf_counter() - started
+        self.stats.seconds += elapsed
+        if self.child.schedule is not None:
+            self.child.schedule.observe_verification(num_drafted, num_accepted, elapsed)
         self.child.update_candidate_strategy(candidates, scores, num_accepted)
         tokens = torch.cat([draft[:num_accepted], draft.new_tensor([next_token])])
         kept = num_accepted + 1
@@ -213,10 +231,14 @@ class VerifyingLevel(ChainLevel):
         """Verified tokens until the block holds at least mu of them (or EOS / the budget)."""
         if max_new_tokens is None:
             raise ValueError("VerifyingLevel.get_candidates needs max_new_tokens (the remaining length budget)")
+        if self.schedule is None:
+            raise ValueError("the target level has no block threshold: call verify_round, not get_candidates")
+        started = time.perf_counter()
+        threshold = self.schedule.length()
         self._prefix_length = input_ids.shape[1]
         sequence = input_ids
         log_probs = []
-        while sequence.shape[1] - input_ids.shape[1] < min(self.block_threshold, max_new_tokens):
+        while sequence.shape[1] - input_ids.shape[1] < min(threshold, max_new_tokens):
             budget = max_new_tokens - (sequence.shape[1] - input_ids.shape[1])
             round_ = self.verify_round(sequence, budget)
             keep = length_through_eos(round_.tokens, self.rules.eos_token_ids)
@@ -226,6 +248,7 @@ class VerifyingLevel(ChainLevel):
             if int(sequence[0, -1]) in self.rules.eos_token_ids:
                 break
         self.stats.proposed += sequence.shape[1] - input_ids.shape[1]
+        self.schedule.observe_proposal(sequence.shape[1] - input_ids.shape[1], time.perf_counter() - started)
         proposal = torch.cat(log_probs, dim=0).unsqueeze(0) if log_probs else None
         return sequence, proposal
 

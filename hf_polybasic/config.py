@@ -21,8 +21,12 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from .compat import mark_as_user_config
+from .schedule import SCHEDULES
 
 VERIFICATION_RULES = ("auto", "greedy")
+# the largest K / mu a varying schedule may reach (or the configured value, if larger)
+MAX_DRAFT_TOKENS = 16
+MAX_BLOCK_THRESHOLD = 32
 
 GENERATION_CONFIG_KEY = "polybasic_config"
 
@@ -42,11 +46,20 @@ class PolybasicConfig:
             sampling they then hand up a point-mass proposal, which the level above verifies with
             the point-mass rule, so the output distribution is still exactly the target's.
             The target itself always follows ``do_sample``.
+        schedule: how K and mu move during generation (`hf_polybasic.schedule`): ``"constant"``
+            keeps them as set; ``"heuristic"`` is transformers' assisted-generation rule (+2 after
+            a fully accepted proposal, -1 otherwise); ``"cost_aware"`` picks, after every
+            verification, the length that maximises expected tokens per second from the running
+            acceptance rate and the measured costs. K and mu are then the starting values; they
+            move within 1 .. max(16, K) and 1 .. max(32, mu). Every schedule is lossless;
+            ``"cost_aware"`` depends on timings, so sampled outputs are not bit-reproducible from
+            a seed with it.
     """
 
     num_draft_tokens: int = 4
     block_threshold: int | tuple[int, ...] = 8
     verification: Literal["auto", "greedy"] = "auto"
+    schedule: Literal["constant", "heuristic", "cost_aware"] = "constant"
 
     def __post_init__(self) -> None:
         k = self.num_draft_tokens
@@ -70,6 +83,8 @@ class PolybasicConfig:
             raise ValueError(
                 f"PolybasicConfig.verification must be one of {VERIFICATION_RULES}, got {self.verification!r}"
             )
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"PolybasicConfig.schedule must be one of {SCHEDULES}, got {self.schedule!r}")
 
     def thresholds_for(self, num_intermediate_levels: int) -> tuple[int, ...]:
         """mu for each intermediate level, strongest first; errors if a sequence has the wrong length."""

@@ -17,9 +17,10 @@ import torch
 from transformers.generation import StoppingCriteriaList
 
 from .cache import CachedModel, model_label, new_cache
-from .config import PolybasicConfig
+from .config import MAX_BLOCK_THRESHOLD, MAX_DRAFT_TOKENS, PolybasicConfig
 from .drafters import Drafter, DrafterLevel
 from .chain import DecodingRules, ModelDrafter, VerifyingLevel
+from .schedule import ProposalSchedule
 from .stats import LevelStats, PolybasicStats
 
 
@@ -56,6 +57,7 @@ def build_chain(
             stats.levels[-1],
             # below a greedy intermediate level, sampled drafts would only lower its acceptance
             greedy_drafts=greedy_intermediates and len(assistant_models) > 1,
+            schedule=ProposalSchedule(config.schedule, config.num_draft_tokens, MAX_DRAFT_TOKENS, stops_early=True),
         )
     thresholds = config.thresholds_for(len(assistant_models) - 1)
     for index in range(len(assistant_models) - 2, -1, -1):  # intermediate levels, bottom-up
@@ -65,8 +67,8 @@ def build_chain(
             level,
             rules,
             stats.levels[index + 1],
-            block_threshold=thresholds[index],
             greedy_proposals=greedy_intermediates,
+            schedule=ProposalSchedule(config.schedule, thresholds[index], MAX_BLOCK_THRESHOLD),
         )
     top = VerifyingLevel(CachedModel(target, target_cache, role=f"target {names[0]}"), level, rules, stats.levels[0])
     return top, stats

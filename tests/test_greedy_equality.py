@@ -6,6 +6,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from hf_polybasic.schedule import SCHEDULES
 from hf_polybasic.testing import EOS, make_chain, prompt
 
 import hf_polybasic as hp
@@ -31,9 +32,10 @@ def _greedy(target, ids, **kwargs):
     budget=st.integers(1, 40),
     eos_step=st.one_of(st.none(), st.integers(0, 39)),
     seed=st.integers(0, 1000),
+    schedule=st.sampled_from(SCHEDULES),
 )
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-def test_greedy_output_equals_plain_generate(arch, depth, k, mu, prompt_length, budget, eos_step, seed):
+def test_greedy_output_equals_plain_generate(arch, depth, k, mu, prompt_length, budget, eos_step, seed, schedule):
     target, *assistants = chain_of(arch, depth)
     ids = prompt(prompt_length, seed=seed)
     reference = _greedy(target, ids, max_new_tokens=budget, eos_token_id=EOS)
@@ -49,7 +51,7 @@ def test_greedy_output_equals_plain_generate(arch, depth, k, mu, prompt_length, 
         eos_token_id=[eos, EOS],
         custom_generate=hp.generate,
         assistant_models=assistants,
-        polybasic_config=hp.PolybasicConfig(num_draft_tokens=k, block_threshold=mu),
+        polybasic_config=hp.PolybasicConfig(num_draft_tokens=k, block_threshold=mu, schedule=schedule),
     )
     assert torch.equal(out, reference)
     assert out.shape[1] - ids.shape[1] <= budget
