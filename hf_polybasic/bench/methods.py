@@ -5,8 +5,9 @@ A `Method` is a name, a JSON description of its settings (results are cached und
 sequences. The factories build the methods:
 
 * `plain`: transformers' own ``generate``, the baseline every speedup is relative to;
-* `hf_assisted`: transformers' ``assistant_model=`` with a fixed draft length (constant schedule,
-  no confidence threshold), the assistant's generation-config fields restored after each call;
+* `hf_assisted`: transformers' ``assistant_model=``, by default with a fixed draft length (constant
+  schedule, no confidence threshold; or transformers' heuristic schedule, or its defaults), the
+  assistant's generation-config fields restored after each call;
 * `hf_prompt_lookup`: transformers' ``prompt_lookup_num_tokens=``;
 * `polybasic`: ours, ``custom_generate=hf_polybasic.generate`` with any ``assistant_models`` list
   and `PolybasicConfig`; its per-level statistics come from `hf_polybasic.last_stats`.
@@ -95,17 +96,28 @@ def plain(name: str = "plain") -> Method:
 def hf_assisted(
     assistant: torch.nn.Module,
     label: str,
-    num_assistant_tokens: int = 4,
+    num_assistant_tokens: int | None = 4,
     name: str = "hf-assisted",
+    schedule: str = "constant",
+    confidence_threshold: float = 0.0,
 ) -> Method:
-    """transformers' ``assistant_model=``, K = ``num_assistant_tokens`` drafts per round, constant
-    schedule and no confidence threshold (a like-for-like two-model comparison). The assistant's
-    generation-config fields are set for the call and restored afterwards."""
-    settings = {
-        "num_assistant_tokens": num_assistant_tokens,
-        "num_assistant_tokens_schedule": "constant",
-        "assistant_confidence_threshold": 0.0,
-    }
+    """transformers' ``assistant_model=``.
+
+    By default K = ``num_assistant_tokens`` drafts per round, constant schedule and no confidence
+    threshold (a like-for-like two-model comparison); ``schedule="heuristic"`` is transformers'
+    adaptive K. ``num_assistant_tokens=None`` leaves every assistant field unset, i.e.
+    transformers' defaults as a user gets them (5.23: 20 tokens, constant, confidence threshold
+    0.4, adapted online only when scikit-learn is installed). The assistant's generation-config
+    fields are set for the call and restored afterwards.
+    """
+    if num_assistant_tokens is None:
+        settings = {}
+    else:
+        settings = {
+            "num_assistant_tokens": num_assistant_tokens,
+            "num_assistant_tokens_schedule": schedule,
+            "assistant_confidence_threshold": confidence_threshold,
+        }
 
     def run(target, inputs, options):
         config = assistant.generation_config
@@ -121,7 +133,10 @@ def hf_assisted(
             for key, value in saved.items():
                 setattr(config, key, value)
 
-    description = f"transformers assistant_model= {label} (K={num_assistant_tokens}, constant schedule)"
+    if num_assistant_tokens is None:
+        description = f"transformers assistant_model= {label} (transformers' defaults)"
+    else:
+        description = f"transformers assistant_model= {label} (K={num_assistant_tokens}, {schedule} schedule)"
     return Method(name, "hf-assisted", description, {"assistant": label, **settings}, run)
 
 
@@ -229,12 +244,41 @@ def _lookup_label(options: MethodOptions) -> str:
     return f"PromptLookup({options.lookup_tokens} tokens, n<={options.lookup_max_ngram})"
 
 
-def _two(key: str, name: str) -> Recipe:
+def _two(key: str, name: str, schedule: str = "constant") -> Recipe:
     return Recipe(
         name,
         (key,),
         lambda ms, o: polybasic(
-            [ms.pool[key]], [ms.labels[key]], PolybasicConfig(num_draft_tokens=o.num_draft_tokens), name
+            [ms.pool[key]],
+            [ms.labels[key]],
+            PolybasicConfig(num_draft_tokens=o.num_draft_tokens, schedule=schedule),
+            name,
+        ),
+    )
+
+
+def _mid_draft(name: str, schedule: str = "constant") -> Recipe:
+    return Recipe(
+        name,
+        ("mid", "draft"),
+        lambda ms, o: polybasic(
+            [ms.pool["mid"], ms.pool["draft"]],
+            [ms.labels["mid"], ms.labels["draft"]],
+            PolybasicConfig(num_draft_tokens=o.num_draft_tokens, block_threshold=o.block_threshold, schedule=schedule),
+            name,
+        ),
+    )
+
+
+def _draft_lookup(name: str, schedule: str = "constant") -> Recipe:
+    return Recipe(
+        name,
+        ("draft",),
+        lambda ms, o: polybasic(
+            [ms.pool["draft"], _lookup(o)],
+            [ms.labels["draft"], _lookup_label(o)],
+            PolybasicConfig(block_threshold=o.block_threshold, schedule=schedule),
+            name,
         ),
     )
 
@@ -255,34 +299,31 @@ RECIPES: dict[str, Recipe] = {
                 ms.pool["draft-fp32"], ms.labels["draft-fp32"], o.num_draft_tokens, "hf-assisted-fp32"
             ),
         ),
+        Recipe(
+            "hf-assisted-heuristic",
+            ("draft",),
+            lambda ms, o: hf_assisted(
+                ms.pool["draft"], ms.labels["draft"], o.num_draft_tokens, "hf-assisted-heuristic", "heuristic"
+            ),
+        ),
+        Recipe(
+            "hf-assisted-default",
+            ("draft",),
+            lambda ms, o: hf_assisted(ms.pool["draft"], ms.labels["draft"], None, "hf-assisted-default"),
+        ),
         Recipe("hf-lookup", (), lambda ms, o: hf_prompt_lookup(o.lookup_tokens, o.lookup_max_ngram)),
         _two("draft", "ours-draft"),
+        _two("draft", "ours-draft-auto", "cost_aware"),
         _two("draft-fp32", "ours-draft-fp32"),
         Recipe(
             "ours-lookup",
             (),
             lambda ms, o: polybasic([_lookup(o)], [_lookup_label(o)], PolybasicConfig(), "ours-lookup"),
         ),
-        Recipe(
-            "ours-mid-draft",
-            ("mid", "draft"),
-            lambda ms, o: polybasic(
-                [ms.pool["mid"], ms.pool["draft"]],
-                [ms.labels["mid"], ms.labels["draft"]],
-                PolybasicConfig(num_draft_tokens=o.num_draft_tokens, block_threshold=o.block_threshold),
-                "ours-mid-draft",
-            ),
-        ),
-        Recipe(
-            "ours-draft-lookup",
-            ("draft",),
-            lambda ms, o: polybasic(
-                [ms.pool["draft"], _lookup(o)],
-                [ms.labels["draft"], _lookup_label(o)],
-                PolybasicConfig(block_threshold=o.block_threshold),
-                "ours-draft-lookup",
-            ),
-        ),
+        _mid_draft("ours-mid-draft"),
+        _mid_draft("ours-mid-draft-auto", "cost_aware"),
+        _draft_lookup("ours-draft-lookup"),
+        _draft_lookup("ours-draft-lookup-auto", "cost_aware"),
         Recipe(
             "ours-mid-lookup",
             ("mid",),

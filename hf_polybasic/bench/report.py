@@ -149,6 +149,11 @@ def mismatches_of(records: Sequence[dict], methods, baseline: str) -> list[dict]
                 "method_new_tokens": record["new_tokens"],
                 "plain_new_tokens": reference["new_tokens"],
                 "note": "an earlier turn already differed, so the prompts differ" if earlier else "",
+                **{
+                    key: value
+                    for key, value in (record.get("mismatch") or {}).items()
+                    if key in ("method_logit", "plain_logit", "relative_gap", "near_tie")
+                },
             }
         )
     return found
@@ -286,13 +291,18 @@ def markdown(summary: dict, run_info: dict, mismatches: Sequence[dict], methods)
     elif not mismatches:
         lines.append("Every output of every lossless method was token-for-token identical to plain generate's.")
     else:
-        lines.append(f"**MISMATCH: {len(mismatches)} output(s) differ from plain generate's.**")
+        ties = sum(1 for m in mismatches if m.get("near_tie"))
+        lines.append(f"**MISMATCH: {len(mismatches)} output(s) differ from plain generate's**, {ties} of them at a "
+                     "numeric near-tie: the target's two logits there differ by at most 2 units in the last place "
+                     "of its dtype (a k-token forward and a 1-token forward round differently in bf16).")
         lines.extend(["", "| method | question | turn | repeat | first differing new token | method / plain token "
-                      "| note |",
-                      "|---|---|---|---|---|---|---|"])
+                      "| their logits (method / plain) | near-tie | note |",
+                      "|---|---|---|---|---|---|---|---|---|"])
         for m in mismatches:
+            logits = (f"{m['method_logit']:.3f} / {m['plain_logit']:.3f}" if "plain_logit" in m else "-")
+            tie = {True: "yes", False: "**no**"}.get(m.get("near_tie"), "-")
             lines.append(f"| {m['method']} | {m['question_id']} | {m['turn'] + 1} | {m['repeat']} | {m['position']} | "
-                         f"{m['method_token']} / {m['plain_token']} | {m['note']} |")
+                         f"{m['method_token']} / {m['plain_token']} | {logits} | {tie} | {m['note']} |")
     lines.append("")
 
     lines.extend(["## Methods", "", "| method | what |", "|---|---|"])

@@ -539,12 +539,15 @@ def run_benchmark(
                             **measured,
                             "time": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                         }
+                        if greedy and method.lossless and method.name != plain_name:
+                            plain_record = done.get(unit_key(fp, methods[0], question, turn, repeat))
+                            record["mismatch"] = mismatch_detail(
+                                record, plain_record, model_set, messages_for(question, turn, answers), settings
+                            )
                         sink.write(json.dumps(record) + "\n")
                         sink.flush()
                         done[key] = record
                         answers.append(record["output_text"])
-                        if greedy and method.lossless and method.name != plain_name:
-                            _check_live(record, done, fp, methods[0], question, turn, repeat)
                         bar.update(1)
     bar.close()
     run_info["finished"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
@@ -567,16 +570,43 @@ def _warm_up(method: Method, model_set: ModelSet, question: prompt_sets.Question
         generate_once(method, model_set, messages, settings, seed, max_new_tokens=budget)
 
 
-def _check_live(record, done, fp, plain_method, question, turn, repeat) -> None:
-    plain_record = done.get(unit_key(fp, plain_method, question, turn, repeat))
+# relative logit gap below which a greedy mismatch counts as a numeric near-tie: two units in the
+# last place of the target's dtype (bf16 keeps 8 significant bits, fp16 11, fp32 24)
+NEAR_TIE_ULPS = 2
+MANTISSA_BITS = {torch.bfloat16: 8, torch.float16: 11, torch.float32: 24}
+
+
+@torch.no_grad()
+def mismatch_detail(record, plain_record, model_set: ModelSet, messages, settings: BenchSettings) -> dict | None:
+    """None if the greedy output equals plain generate's; else where it first differs and the
+    target's logits of the two tokens there (one full forward over the common prefix), so a bf16
+    near-tie is told apart from a bug."""
     if plain_record is None:
-        return
+        return None
     position = first_difference(record["output_ids"], plain_record["output_ids"])
-    if position is not None:
-        _say(
-            f"!!! GREEDY MISMATCH: method {record['method']} question {record['question_id']} turn {turn + 1} "
-            f"(repeat {repeat}) differs from plain generate at new token {position}"
-        )
+    if position is None:
+        return None
+    detail = {"position": position}
+    ids = record["output_ids"], plain_record["output_ids"]
+    if position >= min(len(ids[0]), len(ids[1])):  # one output stopped earlier
+        _say(f"!!! GREEDY MISMATCH: {record['method']} {record['question_id']}: lengths differ at token {position}")
+        return detail
+    inputs, _ = encode(model_set, messages, settings.max_new_tokens)
+    prefix = torch.tensor([plain_record["output_ids"][:position]], dtype=torch.long, device=inputs["input_ids"].device)
+    sequence = torch.cat([inputs["input_ids"], prefix], dim=1)
+    logits = model_set.target(sequence, logits_to_keep=1).logits[0, -1].float()
+    method_logit, plain_logit = float(logits[ids[0][position]]), float(logits[ids[1][position]])
+    gap = abs(plain_logit - method_logit)
+    bits = MANTISSA_BITS.get(model_set.target.dtype, 24)
+    relative_gap = gap / max(abs(plain_logit), abs(method_logit), 1e-12)
+    near_tie = relative_gap <= NEAR_TIE_ULPS * 2.0 ** (1 - bits)
+    detail.update(method_logit=method_logit, plain_logit=plain_logit, relative_gap=relative_gap, near_tie=near_tie)
+    _say(
+        f"!!! GREEDY MISMATCH: {record['method']} {record['question_id']} turn {record['turn'] + 1} at new token "
+        f"{position}: logits {method_logit:.4f} (method) vs {plain_logit:.4f} (plain), "
+        f"{'a numeric near-tie' if near_tie else 'NOT a near-tie'}"
+    )
+    return detail
 
 
 def _max_rss_mib() -> float:
