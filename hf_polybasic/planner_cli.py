@@ -16,6 +16,7 @@ acceptance lengths read as in `hf_polybasic.theory.TimeModelInputs` (N / F_i).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import platform
 import statistics
@@ -31,6 +32,7 @@ from tqdm.auto import tqdm
 
 from . import theory
 from .drafters import PromptLookup
+from .config import PolybasicConfig
 from .integration import generate as polybasic_generate
 from .integration import last_stats
 from .levels import early_exit
@@ -163,17 +165,26 @@ class Runner:
     """Runs one configuration (plain when its chain is the target alone) on the validation prompts,
     accumulating its `Measurement` over repeats."""
 
-    def __init__(self, pool: Pool, setting: ChainPrediction, models: dict[str, Any], max_new_tokens: int):
+    def __init__(
+        self,
+        pool: Pool,
+        setting: ChainPrediction,
+        models: dict[str, Any],
+        max_new_tokens: int,
+        schedule: str = "constant",
+    ):
         self.pool, self.setting, self.max_new_tokens = pool, setting, max_new_tokens
+        self.schedule = schedule
         self.options = {"do_sample": False, **pool.generate_options}
         self.chain_kwargs = {}
         if not setting.is_plain:
             self.chain_kwargs = {
                 "custom_generate": polybasic_generate,
                 "assistant_models": [models[label] for label in setting.chain[1:]],
-                "polybasic_config": setting.config(),
+                "polybasic_config": dataclasses.replace(setting.config(), schedule=schedule),
             }
-        self.measurement = Measurement(setting_name(setting), [], 0)
+        name = setting_name(setting) if schedule == "constant" else f"{setting.name} (schedule={schedule})"
+        self.measurement = Measurement(name, [], 0)
         self.outputs: list[list[int]] = []
 
     def _generate(self, ids: torch.LongTensor, tokens: int) -> torch.LongTensor:
@@ -261,13 +272,11 @@ def insertion_rows(profile: Profile, rows: list[dict]) -> list[dict]:
                 "L_i-new": after["measured_lengths"][0],
                 "L_new": after["measured_lengths"][1],
             }
-            # N / F_i of a middle level is < 1 when it runs more forwards than tokens reach the output;
-            # theory.insertion_test takes tau-convention lengths (>= 1), so such a value is raised to 1
-            used = {key: max(value, 1.0) for key, value in measured.items()}
+            # N / F_i of a middle level is < 1 when it runs more forwards than tokens reach the output
             beta = after["measured_beta"]
             verdict = theory.insertion_test(
                 t_i=profile.cost(TARGET, 1), t_new=profile.cost(middle, 1), t_next=profile.cost(lower, 1),
-                l_i=used["L_i"], l_i_new=used["L_i-new"], l_new=used["L_new"], beta=beta, next_is_drafter=True,
+                l_i=measured["L_i"], l_i_new=measured["L_i-new"], l_new=measured["L_new"], beta=beta, next_is_drafter=True,
             )
             table.append(
                 {
@@ -279,7 +288,7 @@ def insertion_rows(profile: Profile, rows: list[dict]) -> list[dict]:
                     "T_new/T_i+1": verdict.condition_2_lhs,
                     "beta(L_new/L_i - 1)": verdict.condition_2_rhs,
                     **measured, "beta": beta, "drafter_bottom": drafter,
-                    "raised_to_1": sorted(key for key, value in measured.items() if value < 1.0),
+                    "below_1": sorted(key for key, value in measured.items() if value < 1.0),
                     "lemma_verdict": verdict.helps,
                     "paper_verdict": verdict.paper_says_helps,
                     "measured_before": before["measured_speedup"],
@@ -307,6 +316,13 @@ def validate(
     settings = validation_grid(the_profile, the_plan.best, grid)
     plain_setting = predict((TARGET,), None, None, the_profile)
     runners = [Runner(pool, setting, the_profile.models, max_new_tokens) for setting in [plain_setting, *settings]]
+    # the cost-aware schedule on every chain of the grid, from the untuned defaults K = 4, mu = 8
+    dynamic = [
+        Runner(pool, default_setting(chain, the_profile), the_profile.models, max_new_tokens, "cost_aware")
+        for chain in dict.fromkeys(setting.chain for setting in settings)
+    ]
+    static_count = len(runners)
+    runners += dynamic
     for runner in tqdm(runners, desc="validation warm-up", disable=not progress):
         runner.warm_up(prompts)
     # repeats outermost, so that slow drift of a shared machine hits every configuration alike
@@ -317,30 +333,8 @@ def validate(
             bar.update()
     bar.close()
     plain, reference = runners[0].measurement, runners[0].outputs
-    rows = []
-    for runner in runners[1:]:
-        setting, measured = runner.setting, runner.measurement
-        measured.identical = runner.outputs == reference
-        inputs = measured.time_model_inputs(the_profile.is_drafter(setting.chain[-1]))
-        rows.append(
-            {
-                "name": measured.name,
-                "chain": list(setting.chain),
-                "num_draft_tokens": setting.num_draft_tokens,
-                "block_thresholds": list(setting.block_thresholds),
-                "predicted_speedup": setting.speedup_for(max_new_tokens),
-                "predicted_speedup_long": setting.speedup,
-                "lemma_speedup": setting.lemma_speedup,
-                "measured_speedup": measured.tokens_per_second / plain.tokens_per_second,
-                "predicted_lengths": [lv.acceptance_length for lv in setting.levels[:-1]],
-                "measured_lengths": list(inputs.acceptance_lengths),
-                "measured_per_verification_lengths": measured.per_verification_lengths,
-                "measured_beta": inputs.beta,
-                "is_plan": (setting.chain, setting.num_draft_tokens, setting.block_thresholds)
-                == (the_plan.best.chain, the_plan.best.num_draft_tokens, the_plan.best.block_thresholds),
-                **{key: value for key, value in measured.to_dict().items() if key != "name"},
-            }
-        )
+    rows = [_row(runner, the_profile, the_plan, reference, plain, max_new_tokens) for runner in runners[1:static_count]]
+    dynamic_rows = [_row(runner, the_profile, the_plan, reference, plain, max_new_tokens) for runner in dynamic]
     best = max(rows, key=lambda row: row["measured_speedup"], default=None)
     chosen = next((row for row in rows if row["is_plan"]), None)
     chosen_speedup = 1.0 if chosen is None else chosen["measured_speedup"]
@@ -357,11 +351,57 @@ def validate(
             "ratio": chosen_speedup / best_speedup,
             "within_10_percent": chosen_speedup / best_speedup >= TARGET_RATIO,
         },
+        "dynamic": [
+            {
+                "chain": row["chain"],
+                "name": row["name"],
+                "measured_speedup": row["measured_speedup"],
+                "identical_to_plain": row["identical_to_plain"],
+                "best_static": (static := _best_measured(rows, tuple(row["chain"])))["name"],
+                "best_static_speedup": static["measured_speedup"],
+                "ratio": row["measured_speedup"] / static["measured_speedup"],
+            }
+            for row in dynamic_rows
+        ],
         "table_1": insertion_rows(the_profile, rows),
         "max_new_tokens": max_new_tokens,
         "repeats": repeats,
         "prompts": len(prompts),
         "grid": grid,
+    }
+
+
+def default_setting(chain: tuple[str, ...], the_profile: Profile) -> ChainPrediction:
+    """``chain`` with `PolybasicConfig`'s defaults (K = 4, mu = 8): what a user gets untuned."""
+    defaults = PolybasicConfig()
+    k = None if the_profile.is_drafter(chain[-1]) else defaults.num_draft_tokens
+    mu = defaults.block_threshold if len(chain) > 2 else None
+    return predict(chain, k, mu, the_profile)
+
+
+def _row(runner, the_profile, the_plan, reference, plain, max_new_tokens) -> dict:
+    """One measured configuration against plain generate, with its prediction."""
+    setting, measured = runner.setting, runner.measurement
+    measured.identical = runner.outputs == reference
+    inputs = measured.time_model_inputs(the_profile.is_drafter(setting.chain[-1]))
+    return {
+        "name": measured.name,
+        "schedule": runner.schedule,
+        "chain": list(setting.chain),
+        "num_draft_tokens": setting.num_draft_tokens,
+        "block_thresholds": list(setting.block_thresholds),
+        "predicted_speedup": setting.speedup_for(max_new_tokens),
+        "predicted_speedup_long": setting.speedup,
+        "lemma_speedup": setting.lemma_speedup,
+        "measured_speedup": measured.tokens_per_second / plain.tokens_per_second,
+        "predicted_lengths": [lv.acceptance_length for lv in setting.levels[:-1]],
+        "measured_lengths": list(inputs.acceptance_lengths),
+        "measured_per_verification_lengths": measured.per_verification_lengths,
+        "measured_beta": inputs.beta,
+        "is_plan": runner.schedule == "constant"
+        and (setting.chain, setting.num_draft_tokens, setting.block_thresholds)
+        == (the_plan.best.chain, the_plan.best.num_draft_tokens, the_plan.best.block_thresholds),
+        **{key: value for key, value in measured.to_dict().items() if key != "name"},
     }
 
 
@@ -416,13 +456,28 @@ def validation_markdown(record: dict[str, Any], header: str) -> str:
         )
     lines += [
         "",
+        "## Dynamic policy: cost-aware schedule vs the best static configuration",
+        "",
+        "Each chain run with `PolybasicConfig(schedule=\"cost_aware\")` from the untuned defaults (K = 4, mu = 8), "
+        "against the best of that chain's static grid configurations (measured on the same prompts).",
+        "",
+        "| chain | cost-aware speedup | best static | its speedup | cost-aware / best static | identical to plain |",
+        "|---|---:|---|---:|---:|---|",
+    ]
+    for row in record.get("dynamic", []):
+        lines.append(
+            f"| {' <- '.join(row['chain'])} | {row['measured_speedup']:.2f}x | {row['best_static']} | "
+            f"{row['best_static_speedup']:.2f}x | {row['ratio']:.2f} | {row['identical_to_plain']} |"
+        )
+    lines += [
+        "",
         "## Table 1: inserting a middle model (Theorem 3.2, measured L's)",
         "",
         "T from the profile (1-token forwards; a Drafter: one propose call), L_i = N / F_i of the best measured "
         "configuration of each chain, beta = drafter forwards per verification above it (1 for a Drafter). "
         "Condition 1: T_new/T_i < L_new(1/L_i - 1/L_i-new); condition 2: T_new/T_i+1 < beta(L_new/L_i - 1); "
         "the paper's verdict is 1 or 2; the Lemma 3.1 verdict is the exact sign of the saving. An N / F_i below 1 "
-        "(a middle level running more forwards than tokens reach the output) is raised to 1 for the test and marked *.",
+        "(marked *) is a middle level running more forwards than tokens reach the output.",
         "",
         "| before | inserted | L_i, L_i-new, L_new, beta | T_new/T_i | L_new(1/L_i - 1/L_i-new) | T_new/T_i+1 | "
         "beta(L_new/L_i - 1) | Lemma 3.1 verdict | paper's verdict | measured before | measured after | "
@@ -431,7 +486,7 @@ def validation_markdown(record: dict[str, Any], header: str) -> str:
     ]
     for row in record["table_1"]:
         lengths = ", ".join(
-            f"{row[key]:.2f}" + ("*" if key in row["raised_to_1"] else "") for key in ("L_i", "L_i-new", "L_new")
+            f"{row[key]:.2f}" + ("*" if key in row["below_1"] else "") for key in ("L_i", "L_i-new", "L_new")
         )
         lines.append(
             f"| {row['before']} | {row['inserted']} | {lengths}, {row['beta']:.2f} | {row['T_new/T_i']:.3f} | "

@@ -454,7 +454,9 @@ def insertion_test(
     | `l_new`   | L_new = L_{new-(i+1)} | acceptance length of M_new verifying M_{i+1}       |
     | `beta`    | beta        | drafter forwards per verification of the model above it      |
 
-    Acceptance lengths are in the tau convention (>= 1). Measured values should be read as in
+    Acceptance lengths are in the tau convention; any positive value is accepted, since the N / F
+    reading below falls under 1 for a middle level that runs more forwards than tokens reach the
+    output (its per-verification mean is still >= 1). Measured values should be read as in
     `TimeModelInputs` (N / F).
 
     What holds exactly (subtracting Lemma 3.1 before and after; only M_i's term, the new term and,
@@ -473,17 +475,17 @@ def insertion_test(
         t_i: T_i, forward cost of M_i, > 0.
         t_new: T_new, forward cost of M_new, > 0.
         t_next: T_{i+1}, forward cost of M_{i+1}, > 0.
-        l_i: L_i, >= 1.
-        l_i_new: L_{i-new}, >= 1.
-        l_new: L_new, >= 1.
+        l_i: L_i, > 0.
+        l_i_new: L_{i-new}, > 0.
+        l_new: L_new, > 0.
         beta: drafter forwards per verification of the model above it, >= 0.
         next_is_drafter: whether M_{i+1} is the bottom model Mn (the case of a three-model chain
             built from a two-model one).
     """
     t_i, t_new = _scalar("t_i", t_i, _positive), _scalar("t_new", t_new, _positive)
     t_next = _scalar("t_next", t_next, _positive)
-    l_i, l_i_new = _scalar("l_i", l_i, _acceptance_length), _scalar("l_i_new", l_i_new, _acceptance_length)
-    l_new, beta = _scalar("l_new", l_new, _acceptance_length), _scalar("beta", beta, _nonnegative)
+    l_i, l_i_new = _scalar("l_i", l_i, _positive), _scalar("l_i_new", l_i_new, _positive)
+    l_new, beta = _scalar("l_new", l_new, _positive), _scalar("beta", beta, _nonnegative)
 
     condition_1_lhs, condition_1_rhs = t_new / t_i, l_new * (1 / l_i - 1 / l_i_new)
     condition_2_lhs, condition_2_rhs = t_new / t_next, beta * (l_new / l_i - 1)

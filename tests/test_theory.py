@@ -414,7 +414,7 @@ def test_printed_condition_holds_but_insertion_costs_time():
         (lambda: theory.polybasic_speedup([1.0, 0.1], [2.0], -1), "beta must be >= 0"),
         (lambda: theory.TimeModelInputs.from_counts(100, [0, 10]), "F_i > 0"),
         (lambda: theory.insertion_test(t_i=1, t_new=-1, t_next=0.1, l_i=2, l_i_new=3, l_new=3, beta=4), "t_new"),
-        (lambda: theory.insertion_test(t_i=1, t_new=0.2, t_next=0.1, l_i=0.5, l_i_new=3, l_new=3, beta=4), "l_i"),
+        (lambda: theory.insertion_test(t_i=1, t_new=0.2, t_next=0.1, l_i=0.0, l_i_new=3, l_new=3, beta=4), "l_i"),
         (lambda: theory.insertion_test(t_i=[1, 2], t_new=0.2, t_next=0.1, l_i=2, l_i_new=3, l_new=3, beta=4), "single"),
     ],
 )
