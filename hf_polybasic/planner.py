@@ -1013,10 +1013,11 @@ class ChainPrediction:
         return ", ".join(parts) or "-"
 
     def config(self) -> PolybasicConfig | None:
-        """The `PolybasicConfig` to run this chain with (None for plain decoding)."""
+        """The `PolybasicConfig` to run this chain with (None for plain decoding); the constant
+        schedule, which is what the prediction models."""
         if self.is_plain:
             return None
-        options = {}
+        options = {"schedule": "constant"}
         if self.num_draft_tokens is not None:
             options["num_draft_tokens"] = self.num_draft_tokens
         if self.block_thresholds:

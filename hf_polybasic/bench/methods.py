@@ -330,7 +330,7 @@ RECIPES: dict[str, Recipe] = {
             lambda ms, o: polybasic(
                 [ms.pool["mid"], _lookup(o)],
                 [ms.labels["mid"], _lookup_label(o)],
-                PolybasicConfig(block_threshold=o.block_threshold),
+                PolybasicConfig(block_threshold=o.block_threshold, schedule="constant"),
                 "ours-mid-lookup",
             ),
         ),

@@ -149,10 +149,11 @@ def mismatches_of(records: Sequence[dict], methods, baseline: str) -> list[dict]
                 "method_new_tokens": record["new_tokens"],
                 "plain_new_tokens": reference["new_tokens"],
                 "note": "an earlier turn already differed, so the prompts differ" if earlier else "",
+                # logits are only comparable when both runs had the same prompt
                 **{
                     key: value
                     for key, value in (record.get("mismatch") or {}).items()
-                    if key in ("method_logit", "plain_logit", "relative_gap", "near_tie")
+                    if key in ("method_logit", "plain_logit", "relative_gap", "near_tie") and not earlier
                 },
             }
         )

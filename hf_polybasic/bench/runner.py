@@ -587,6 +587,8 @@ def mismatch_detail(record, plain_record, model_set: ModelSet, messages, setting
     if position is None:
         return None
     detail = {"position": position}
+    if record["turn"] > 0 and record.get("prompt_tokens") != plain_record.get("prompt_tokens"):
+        return detail  # an earlier turn already differed: the prompts differ, logits are not comparable
     ids = record["output_ids"], plain_record["output_ids"]
     if position >= min(len(ids[0]), len(ids[1])):  # one output stopped earlier
         _say(f"!!! GREEDY MISMATCH: {record['method']} {record['question_id']}: lengths differ at token {position}")
