@@ -131,7 +131,7 @@ class ModelDrafter(ChainLevel):
         sequence = input_ids
         log_probs = []
         for _ in range(limit):
-            logits = self.runner.next_token_logits(sequence, 1)  # [1, V]
+            logits = self.runner.next_token_logits(sequence, 1).to(sequence.device)  # [1, V]
             scores = process_positions(self.rules.processors, sequence, sequence.shape[1], logits)
             if self.samples:
                 step_log_probs = self.proposal_log_probs(scores, logits)

@@ -39,10 +39,18 @@ def forward_cost(model: torch.nn.Module, prefix: torch.LongTensor, num_tokens: i
     times = []
     for _ in range(repeats + 1):  # the first run warms up and is dropped
         runner.rollback_to(prefix.shape[1])
+        _synchronize(model)
         started = time.perf_counter()
         runner.next_token_logits(sequence, num_tokens)
+        _synchronize(model)  # on a GPU, time the forward pass, not just its kernel launches
         times.append(time.perf_counter() - started)
     return statistics.median(times[1:])
+
+
+def _synchronize(model: torch.nn.Module) -> None:
+    device = next(model.parameters()).device
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 @torch.no_grad()

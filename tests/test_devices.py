@@ -118,3 +118,22 @@ def test_nf4_without_a_gpu_is_a_clear_error():
         pytest.skip("a GPU is present")
     with pytest.raises(ValueError, match="needs a CUDA GPU"):
         quantized_copy(fp32_chain()[0], "nf4")
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_cpu_drafter_under_gpu_target_with_prefix_dependent_processors():
+    """A CPU drafter's logits meet the GPU sequence in processors that read it (repetition penalty,
+    no-repeat-ngram), greedy and sampling."""
+    target, m2, m3 = fp32_chain()
+    target, m2 = _cast(target, device="cuda"), _cast(m2, device="cuda")
+    ids = prompt(5, seed=4).cuda()
+    options = dict(repetition_penalty=1.3, no_repeat_ngram_size=3)
+    out, reference = _greedy_pair(target, [m2, m3], ids, **options)
+    assert torch.equal(out, reference)
+    torch.manual_seed(0)
+    sampled = target.generate(
+        ids, do_sample=True, top_p=0.9, max_new_tokens=16, eos_token_id=None, custom_generate=hp.generate,
+        assistant_models=[m2, m3], **options,
+    )
+    assert sampled.shape[1] == 5 + 16
