@@ -26,11 +26,18 @@ def main() -> None:
     parser.add_argument("--real", action="store_true", help="the installed Qwen2.5-Coder models instead of tiny ones")
     parser.add_argument("--target-dtype", choices=["fp32", "bf16"], default="fp32",
                         help="fp32 keeps the greedy equality check bit-exact; bf16 is faster on CPUs with bf16 units")
-    parser.add_argument("--output", default=None, help="report directory (default: a new temporary directory)")
+    parser.add_argument("--output", default=None, help="report directory to keep (default: a temporary one, removed at exit)")
     args = parser.parse_args()
 
     models = "qwen" if args.real else "tiny"
-    output = args.output or tempfile.mkdtemp(prefix=f"hf_polybasic_bench_{models}_")
+    if args.output is None:
+        with tempfile.TemporaryDirectory(prefix=f"hf_polybasic_bench_{models}_") as output:
+            run(args, models, output, kept=False)
+    else:
+        run(args, models, args.output, kept=True)
+
+
+def run(args, models: str, output: str, kept: bool) -> None:
     settings = BenchSettings(
         models=models,
         target_dtype=args.target_dtype,
@@ -50,8 +57,11 @@ def main() -> None:
         print(f"  {method:<20} {cell['speedup']:.2f}x  (n={cell['n_questions']})")
     if not args.real:
         print("  (tiny random models: these ratios say nothing about real models)")
-    print(f"\nmarkdown report: {result.output_dir / 'results.md'}")
-    print(f"every file: {', '.join(str(path) for path in result.files)}")
+    if kept:
+        print(f"\nmarkdown report: {result.output_dir / 'results.md'}")
+        print(f"every file: {', '.join(str(path) for path in result.files)}")
+    else:
+        print("\n(report written to a temporary directory and removed; pass --output DIR to keep it)")
     if result.mismatches:
         print(f"{len(result.mismatches)} greedy output(s) differ from plain generate; see the report")
     raise SystemExit(result.exit_code)

@@ -1435,16 +1435,18 @@ class Plan:
             "",
             f"Chains ranked {horizon}; each at its best setting on the grids.",
             "",
-            "| rank | chain | setting | ms/token | prefill ms | predicted speedup (long) | predicted speedup "
-            f"({'long' if n is None else f'{n} tokens'}) | Lemma 3.1 speedup | L per level, target first |",
-            "|---:|---|---|---:|---:|---:|---:|---:|---|",
+            "| rank | chain | setting | ms/token | prefill ms | predicted speedup (long) | "
+            + ("" if n is None else f"predicted speedup ({n} tokens) | ")
+            + "Lemma 3.1 speedup | L per level, target first |",
+            "|---:|---|---|---:|---:|---:|" + ("" if n is None else "---:|") + "---:|---|",
         ]
         for rank, row in enumerate(self.ranking, 1):
             lemma = "-" if row.lemma_speedup is None else f"{row.lemma_speedup:.2f}x"
             lengths = [f"{level.acceptance_length:.2f}" for level in row.levels if level.acceptance_length is not None]
+            horizon_cell = "" if n is None else f"{row.speedup_for(n):.2f}x | "
             lines.append(
                 f"| {rank} | {row.name} | {row.settings} | {row.time_per_token * 1000:.2f} | "
-                f"{row.prefill_seconds * 1000:.1f} | {row.speedup:.2f}x | {row.speedup_for(n):.2f}x | "
+                f"{row.prefill_seconds * 1000:.1f} | {row.speedup:.2f}x | {horizon_cell}"
                 f"{lemma} | {', '.join(lengths) or '-'} |"
             )
         lines += ["", "Why each candidate is in or out:", ""]

@@ -94,7 +94,7 @@ def run_from_args(args: argparse.Namespace) -> int:
     if args.list_methods:
         for name, recipe in RECIPES.items():
             default = "default" if name in DEFAULT_METHODS else "       "
-            print(f"{name:<20} {default}  needs: {', '.join(recipe.needs) or '-'}")
+            print(f"{name:<27} {default}  needs: {', '.join(recipe.needs) or '-'}")
         return 0
     from .runner import command_line
 

@@ -283,6 +283,19 @@ def _draft_lookup(name: str, schedule: str = "constant") -> Recipe:
     )
 
 
+def _mid_draft_lookup(name: str, schedule: str = "constant") -> Recipe:
+    return Recipe(
+        name,
+        ("mid", "draft"),
+        lambda ms, o: polybasic(
+            [ms.pool["mid"], ms.pool["draft"], _lookup(o)],
+            [ms.labels["mid"], ms.labels["draft"], _lookup_label(o)],
+            PolybasicConfig(block_threshold=o.block_threshold, schedule=schedule),
+            name,
+        ),
+    )
+
+
 RECIPES: dict[str, Recipe] = {
     recipe.name: recipe
     for recipe in (
@@ -312,8 +325,15 @@ RECIPES: dict[str, Recipe] = {
             lambda ms, o: hf_assisted(ms.pool["draft"], ms.labels["draft"], None, "hf-assisted-default"),
         ),
         Recipe("hf-lookup", (), lambda ms, o: hf_prompt_lookup(o.lookup_tokens, o.lookup_max_ngram)),
+        Recipe(
+            "hf-assisted-mid",
+            ("mid",),
+            lambda ms, o: hf_assisted(ms.pool["mid"], ms.labels["mid"], o.num_draft_tokens, "hf-assisted-mid"),
+        ),
         _two("draft", "ours-draft"),
         _two("draft", "ours-draft-auto", "cost_aware"),
+        _two("mid", "ours-mid"),
+        _two("mid", "ours-mid-auto", "cost_aware"),
         _two("draft-fp32", "ours-draft-fp32"),
         Recipe(
             "ours-lookup",
@@ -324,6 +344,8 @@ RECIPES: dict[str, Recipe] = {
         _mid_draft("ours-mid-draft-auto", "cost_aware"),
         _draft_lookup("ours-draft-lookup"),
         _draft_lookup("ours-draft-lookup-auto", "cost_aware"),
+        _mid_draft_lookup("ours-mid-draft-lookup"),
+        _mid_draft_lookup("ours-mid-draft-lookup-auto", "cost_aware"),
         Recipe(
             "ours-mid-lookup",
             ("mid",),
