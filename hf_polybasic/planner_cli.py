@@ -590,9 +590,10 @@ def run_from_args(args: argparse.Namespace) -> int:
     (out / "plan.json").write_text(json.dumps(the_plan.to_dict(), indent=1) + "\n")
     (out / "plan.md").write_text(report)
     if args.validate:
-        count = len(validation_grid(the_profile, the_plan.best, args.grid)) + 1
+        grid = validation_grid(the_profile, the_plan.best, args.grid)
+        count = len(grid) + 1 + len({setting.chain for setting in grid})  # plain, static, one cost-aware per chain
         print(
-            f"validation: {count} configurations (plain included) x {args.repeats} repeat(s) x {len(prompts)} "
+            f"validation: {count} configurations (plain and cost-aware included) x {args.repeats} repeat(s) x {len(prompts)} "
             f"prompt(s) of {args.max_new_tokens} tokens = {count * args.repeats * len(prompts)} timed generate calls"
         )
         record = validate(pool, the_profile, the_plan, prompts, args.max_new_tokens, args.repeats, args.grid, progress)
