@@ -83,7 +83,8 @@ def test_statistics_count_what_happened():
         min_new_tokens=30,
         custom_generate=hp.generate,
         assistant_models=[m2, m3],
-        polybasic_config=hp.PolybasicConfig(num_draft_tokens=3, block_threshold=4),
+        # constant K and mu: the block-size invariant below is about a fixed mu
+        polybasic_config=hp.PolybasicConfig(num_draft_tokens=3, block_threshold=4, schedule="constant"),
         return_dict_in_generate=True,
     )
     stats = out.polybasic_stats

@@ -114,7 +114,8 @@ def test_predict_three_models_exact_arithmetic():
     # the target verifies blocks of 4: emits 4 each time; the last block is cut to 3 by the budget
     assert target.acceptance_length == 4.0 and target.block_below == pytest.approx(3.8)
     assert prediction.time_per_token == pytest.approx((1.0 + 1.2 * 3.8 / 4) / 4)
-    assert prediction.config() == hp.PolybasicConfig(num_draft_tokens=1, block_threshold=3)
+    # the constant schedule: the one the prediction models
+    assert prediction.config() == hp.PolybasicConfig(num_draft_tokens=1, block_threshold=3, schedule="constant")
 
 
 def test_candidate_chains_keep_the_cost_order_and_put_a_drafter_only_last():
@@ -348,7 +349,8 @@ def test_profile_on_tiny_models_and_its_walk_matches_generate_exactly(tiny_pool)
         for ids in prompts:
             out = target.generate(
                 ids, custom_generate=hp.generate, assistant_models=measured.models_for(chain),
-                polybasic_config=hp.PolybasicConfig(num_draft_tokens=K or 4), do_sample=False, max_new_tokens=12,
+                polybasic_config=hp.PolybasicConfig(num_draft_tokens=K or 4, schedule="constant"),
+                do_sample=False, max_new_tokens=12,
                 eos_token_id=None,
             )
             tokens += out.shape[1] - ids.shape[1]
