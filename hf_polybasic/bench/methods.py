@@ -244,56 +244,18 @@ def _lookup_label(options: MethodOptions) -> str:
     return f"PromptLookup({options.lookup_tokens} tokens, n<={options.lookup_max_ngram})"
 
 
-def _two(key: str, name: str, schedule: str = "constant") -> Recipe:
-    return Recipe(
-        name,
-        (key,),
-        lambda ms, o: polybasic(
-            [ms.pool[key]],
-            [ms.labels[key]],
-            PolybasicConfig(num_draft_tokens=o.num_draft_tokens, schedule=schedule),
-            name,
-        ),
-    )
+def _chain(name: str, levels: tuple[str, ...], schedule: str = "constant") -> Recipe:
+    """Ours over ``levels``, strongest first: pool keys ("mid", "draft", ...) and, at the bottom,
+    "lookup" (a `PromptLookup`). K and mu come from the shared options; `polybasic` leaves the one
+    a chain does not use out of the spec."""
 
+    def build(ms: ModelSet, o: MethodOptions) -> Method:
+        models = [_lookup(o) if level == "lookup" else ms.pool[level] for level in levels]
+        labels = [_lookup_label(o) if level == "lookup" else ms.labels[level] for level in levels]
+        config = PolybasicConfig(num_draft_tokens=o.num_draft_tokens, block_threshold=o.block_threshold, schedule=schedule)
+        return polybasic(models, labels, config, name)
 
-def _mid_draft(name: str, schedule: str = "constant") -> Recipe:
-    return Recipe(
-        name,
-        ("mid", "draft"),
-        lambda ms, o: polybasic(
-            [ms.pool["mid"], ms.pool["draft"]],
-            [ms.labels["mid"], ms.labels["draft"]],
-            PolybasicConfig(num_draft_tokens=o.num_draft_tokens, block_threshold=o.block_threshold, schedule=schedule),
-            name,
-        ),
-    )
-
-
-def _draft_lookup(name: str, schedule: str = "constant") -> Recipe:
-    return Recipe(
-        name,
-        ("draft",),
-        lambda ms, o: polybasic(
-            [ms.pool["draft"], _lookup(o)],
-            [ms.labels["draft"], _lookup_label(o)],
-            PolybasicConfig(block_threshold=o.block_threshold, schedule=schedule),
-            name,
-        ),
-    )
-
-
-def _mid_draft_lookup(name: str, schedule: str = "constant") -> Recipe:
-    return Recipe(
-        name,
-        ("mid", "draft"),
-        lambda ms, o: polybasic(
-            [ms.pool["mid"], ms.pool["draft"], _lookup(o)],
-            [ms.labels["mid"], ms.labels["draft"], _lookup_label(o)],
-            PolybasicConfig(block_threshold=o.block_threshold, schedule=schedule),
-            name,
-        ),
-    )
+    return Recipe(name, tuple(level for level in levels if level != "lookup"), build)
 
 
 RECIPES: dict[str, Recipe] = {
@@ -330,32 +292,19 @@ RECIPES: dict[str, Recipe] = {
             ("mid",),
             lambda ms, o: hf_assisted(ms.pool["mid"], ms.labels["mid"], o.num_draft_tokens, "hf-assisted-mid"),
         ),
-        _two("draft", "ours-draft"),
-        _two("draft", "ours-draft-auto", "cost_aware"),
-        _two("mid", "ours-mid"),
-        _two("mid", "ours-mid-auto", "cost_aware"),
-        _two("draft-fp32", "ours-draft-fp32"),
-        Recipe(
-            "ours-lookup",
-            (),
-            lambda ms, o: polybasic([_lookup(o)], [_lookup_label(o)], PolybasicConfig(), "ours-lookup"),
-        ),
-        _mid_draft("ours-mid-draft"),
-        _mid_draft("ours-mid-draft-auto", "cost_aware"),
-        _draft_lookup("ours-draft-lookup"),
-        _draft_lookup("ours-draft-lookup-auto", "cost_aware"),
-        _mid_draft_lookup("ours-mid-draft-lookup"),
-        _mid_draft_lookup("ours-mid-draft-lookup-auto", "cost_aware"),
-        Recipe(
-            "ours-mid-lookup",
-            ("mid",),
-            lambda ms, o: polybasic(
-                [ms.pool["mid"], _lookup(o)],
-                [ms.labels["mid"], _lookup_label(o)],
-                PolybasicConfig(block_threshold=o.block_threshold, schedule="constant"),
-                "ours-mid-lookup",
-            ),
-        ),
+        _chain("ours-draft", ("draft",)),
+        _chain("ours-draft-auto", ("draft",), "cost_aware"),
+        _chain("ours-mid", ("mid",)),
+        _chain("ours-mid-auto", ("mid",), "cost_aware"),
+        _chain("ours-draft-fp32", ("draft-fp32",)),
+        _chain("ours-lookup", ("lookup",), "cost_aware"),  # the default; a lone Drafter has nothing to schedule
+        _chain("ours-mid-draft", ("mid", "draft")),
+        _chain("ours-mid-draft-auto", ("mid", "draft"), "cost_aware"),
+        _chain("ours-draft-lookup", ("draft", "lookup")),
+        _chain("ours-draft-lookup-auto", ("draft", "lookup"), "cost_aware"),
+        _chain("ours-mid-draft-lookup", ("mid", "draft", "lookup")),
+        _chain("ours-mid-draft-lookup-auto", ("mid", "draft", "lookup"), "cost_aware"),
+        _chain("ours-mid-lookup", ("mid", "lookup")),
     )
 }
 
