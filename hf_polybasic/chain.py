@@ -133,17 +133,17 @@ class ModelDrafter(ChainLevel):
         for _ in range(limit):
             logits = self.runner.next_token_logits(sequence, 1).to(sequence.device)  # [1, V]
             scores = process_positions(self.rules.processors, sequence, sequence.shape[1], logits)
+            probs = scores.softmax(-1) if self.samples or self.schedule.stops_per_token else None
             if self.samples:
-                step_log_probs = self.proposal_log_probs(scores, logits)
-                token = torch.multinomial(scores.softmax(-1), 1)  # [1, 1]
-                log_probs.append(step_log_probs)
+                log_probs.append(self.proposal_log_probs(scores, logits))
+                token = torch.multinomial(probs, 1)  # [1, 1]
             else:
                 token = scores.argmax(-1, keepdim=True)
             sequence = torch.cat([sequence, token.to(sequence.device)], dim=1)
             if int(token) in self.rules.eos_token_ids:
                 break
             # the token just drawn is kept whatever it is; only whether to draw another depends on it
-            if not self.schedule.keep_drafting(float(scores.softmax(-1)[0, int(token)])):
+            if self.schedule.stops_per_token and not self.schedule.keep_drafting(float(probs[0, int(token)])):
                 break
         drafted = sequence.shape[1] - input_ids.shape[1]
         elapsed = time.perf_counter() - started

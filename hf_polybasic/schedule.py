@@ -49,7 +49,7 @@ class ProposalSchedule:
         kind: one of `SCHEDULES`.
         initial: the configured length (K or mu); the length of the first rounds.
         maximum: the largest length any schedule proposes.
-        stops_early: the level consults `keep_drafting` after each token (a model drafter); a
+        stops_early: the level can stop after any token it drafts (a model drafter); a
             cost-aware schedule then lets it draft up to ``maximum`` and leaves the stop to that
             per-token rule instead of the alpha-based length.
     """
@@ -73,6 +73,11 @@ class ProposalSchedule:
         # over the tokens whose fate a verification revealed (accepted ones and the first rejected)
         self.observed_accepted = self.observed_probability = 0.0
         self._round_probabilities: list[float] = []
+
+    @property
+    def stops_per_token(self) -> bool:
+        """Whether the level should consult `keep_drafting` after each token it drafts."""
+        return self.stops_early and self.kind == "cost_aware"
 
     def length(self) -> int:
         """Tokens to propose in the next round."""
