@@ -319,7 +319,7 @@ def validate(
     # the cost-aware schedule on every chain of the grid, from the untuned defaults K = 4, mu = 8
     dynamic = [
         Runner(pool, default_setting(chain, the_profile), the_profile.models, max_new_tokens, "cost_aware")
-        for chain in dict.fromkeys(setting.chain for setting in settings)
+        for chain in grid_chains(settings)
     ]
     static_count = len(runners)
     runners += dynamic
@@ -369,6 +369,11 @@ def validate(
         "prompts": len(prompts),
         "grid": grid,
     }
+
+
+def grid_chains(settings: Sequence[ChainPrediction]) -> list[tuple[str, ...]]:
+    """The distinct chains of a validation grid, in grid order: each gets one cost-aware run."""
+    return list(dict.fromkeys(setting.chain for setting in settings))
 
 
 def default_setting(chain: tuple[str, ...], the_profile: Profile) -> ChainPrediction:
@@ -591,7 +596,7 @@ def run_from_args(args: argparse.Namespace) -> int:
     (out / "plan.md").write_text(report)
     if args.validate:
         grid = validation_grid(the_profile, the_plan.best, args.grid)
-        count = len(grid) + 1 + len({setting.chain for setting in grid})  # plain, static, one cost-aware per chain
+        count = len(grid) + 1 + len(grid_chains(grid))  # plain, static, one cost-aware per chain
         print(
             f"validation: {count} configurations (plain and cost-aware included) x {args.repeats} repeat(s) x {len(prompts)} "
             f"prompt(s) of {args.max_new_tokens} tokens = {count * args.repeats * len(prompts)} timed generate calls"
