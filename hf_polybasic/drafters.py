@@ -82,6 +82,43 @@ class PromptLookup(Drafter):
         return ids[:0], None
 
 
+PROBABILITY_SUM_TOLERANCE = 1e-3
+
+
+def _check_proposal(name: str, tokens: torch.LongTensor, log_probs: torch.Tensor) -> None:
+    """Raise unless ``log_probs`` [k, V] can be the distributions ``tokens`` [k] were drawn from:
+    finite or -inf, each row summing to 1, and every proposed token with probability > 0 (a token
+    reported with probability 0 cannot have been drawn, and losslessness rests on that)."""
+    if log_probs.dim() != 2 or log_probs.shape[0] != tokens.shape[0]:
+        raise ValueError(
+            f"{name}.propose must return log_probs of shape [k, V] for k = {tokens.shape[0]} tokens "
+            f"(or None for deterministic drafts), got shape {tuple(log_probs.shape)}"
+        )
+    if tokens.numel() == 0:
+        return
+    values = log_probs.detach().double()
+    if bool(torch.isnan(values).any()) or bool((values == float("inf")).any()):
+        raise ValueError(f"{name}.propose returned log_probs with NaN or +inf; they must be log-probabilities")
+    sums = values.exp().sum(-1)
+    off = (sums - 1).abs() > PROBABILITY_SUM_TOLERANCE
+    if bool(off.any()):
+        row = int(off.nonzero()[0])
+        raise ValueError(
+            f"{name}.propose returned log_probs whose probabilities do not sum to 1 (row {row} sums to "
+            f"{float(sums[row]):.4g}); return the log-probabilities of the distribution each token was drawn from"
+        )
+    width = values.shape[1]
+    inside = tokens.to(values.device) < width
+    picked = values.gather(1, tokens.to(values.device).clamp(max=width - 1).unsqueeze(1)).squeeze(1)
+    impossible = ~inside | (picked == float("-inf"))
+    if bool(impossible.any()):
+        position = int(impossible.nonzero()[0])
+        raise ValueError(
+            f"{name}.propose reported probability 0 for the token it proposed at position {position} "
+            f"(id {int(tokens[position])}); a proposal must be the distribution the token was drawn from"
+        )
+
+
 class DrafterLevel(ChainLevel):
     """Adapts a `Drafter` to the chain's candidate-generator protocol (see `hf_polybasic.chain`)."""
 
@@ -109,11 +146,8 @@ class DrafterLevel(ChainLevel):
             raise TypeError(f"{name}.propose must return a 1-D LongTensor of token ids, got {tokens!r}")
         if tokens.shape[0] > limit:
             raise ValueError(f"{name}.propose returned {tokens.shape[0]} tokens but max_new_tokens was {limit}")
-        if log_probs is not None and (log_probs.dim() != 2 or log_probs.shape[0] != tokens.shape[0]):
-            raise ValueError(
-                f"{name}.propose must return log_probs of shape [k, V] for k = {tokens.shape[0]} tokens "
-                f"(or None for deterministic drafts), got shape {tuple(log_probs.shape)}"
-            )
+        if log_probs is not None:
+            _check_proposal(name, tokens, log_probs)
         return tokens, log_probs
 
     def rollback_to(self, length: int) -> None:

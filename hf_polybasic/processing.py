@@ -38,12 +38,14 @@ STATEFUL_PROCESSORS: tuple[type, ...] = (
 
 # Processors that count positions from the start of the padded batch `generate` saw, with the
 # attribute holding the position. A row decoded without its left padding shifts them, so that the
-# number of *new* tokens they allow is the batch's (`min_new_tokens` becomes `min_length` there).
-PROMPT_LENGTH_ATTRIBUTES: dict[type, str] = {
+# number of *new* tokens they allow is the batch's (`min_new_tokens` becomes `min_length` there,
+# `forced_eos_token_id` fires at `max_length - 1`).
+POSITION_ATTRIBUTES: dict[type, str] = {
     lp.MinLengthLogitsProcessor: "min_length",
     lp.MinNewTokensLengthLogitsProcessor: "prompt_length_to_skip",
     lp.ExponentialDecayLengthPenalty: "regulation_start",
     lp.SuppressTokensAtBeginLogitsProcessor: "begin_index",
+    lp.ForcedEOSTokenLogitsProcessor: "max_length",
 }
 
 
@@ -53,7 +55,7 @@ def processors_for_row(processors: lp.LogitsProcessorList, removed_padding: int)
         return processors
     shifted = lp.LogitsProcessorList()
     for processor in processors:
-        attribute = PROMPT_LENGTH_ATTRIBUTES.get(type(processor))
+        attribute = POSITION_ATTRIBUTES.get(type(processor))
         if attribute is not None:
             processor = copy.copy(processor)
             setattr(processor, attribute, getattr(processor, attribute) - removed_padding)

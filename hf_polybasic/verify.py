@@ -104,8 +104,9 @@ def speculative_verify(
     p_draft = _gather_draft_probability(target_probs[:k], draft_ids)  # [k]
     q_draft = _gather_draft_probability(draft_probs, draft_ids)  # [k]
     coins = torch.rand(k, device=target_probs.device, dtype=target_probs.dtype, generator=generator)
-    # accept iff u <= p/q, written without the division (q_draft > 0 for a drawn token)
-    num_accepted = count_leading_true(coins * q_draft <= p_draft)
+    # accept iff u < p/q, written without the division. A token drawn from q has q > 0; one reported
+    # with q = 0 cannot have been drawn from it and is rejected (so is any token with p = 0)
+    num_accepted = count_leading_true((q_draft > 0) & (coins * q_draft < p_draft))
     if num_accepted == k:
         next_distribution = target_probs[k]
     else:
