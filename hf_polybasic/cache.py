@@ -34,6 +34,14 @@ def model_label(model: torch.nn.Module) -> str:
     return f"{type(model).__name__}({name})" if name else type(model).__name__
 
 
+def input_vocabulary_size(model: torch.nn.Module) -> int:
+    """How many token ids ``model`` can embed."""
+    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    if isinstance(embeddings, torch.nn.Embedding):
+        return int(embeddings.num_embeddings)
+    return int(model.config.get_text_config(decoder=True).vocab_size)
+
+
 def check_rollback_support(model: torch.nn.Module, cache: Cache, role: str) -> None:
     """Raise a clear error if `cache` cannot be rolled back token by token.
 
@@ -71,8 +79,9 @@ def new_cache(model: torch.nn.Module) -> DynamicCache:
 class CachedModel:
     """A causal LM plus its own cache, fed incrementally along one token sequence.
 
-    ``vocab_limit`` cuts the output to the first ids (an assistant whose output layer is padded
-    beyond the target's must never propose an id the target does not have).
+    ``vocab_limit`` is the target's output width: an assistant's logits are cut to it (an assistant
+    whose output layer is padded beyond the target's must never propose an id the target does not
+    have) or padded to it with -inf, so every level's processors see the target's vocabulary.
 
     Attributes:
         length: tokens of the current sequence whose keys/values are cached.
@@ -92,6 +101,7 @@ class CachedModel:
         self.length = cache.get_seq_length() if cache is not None else 0
         self.forward_passes = 0
         self.forward_seconds = 0.0
+        self.input_vocabulary = input_vocabulary_size(model)
         self._accepts_logits_to_keep = _accepts_logits_to_keep(type(model))
 
     def next_token_logits(self, sequence: torch.LongTensor, num_positions: int) -> torch.Tensor:
@@ -107,6 +117,7 @@ class CachedModel:
         kwargs = {}
         if self._accepts_logits_to_keep:
             kwargs["logits_to_keep"] = num_positions
+        self._check_ids(sequence[:, 0 if self.cache is None else self.length :])
         started = time.perf_counter()
         if self.cache is None:
             inputs = sequence.to(self.device)
@@ -118,10 +129,23 @@ class CachedModel:
                 input_ids=inputs, position_ids=positions, past_key_values=self.cache, use_cache=True, **kwargs
             )
         logits = outputs.logits[0, -num_positions:, : self.vocab_limit].float()
+        if self.vocab_limit is not None and logits.shape[-1] < self.vocab_limit:
+            # ids this model lacks (padding rows of the target's output layer) are never proposed
+            logits = torch.nn.functional.pad(logits, (0, self.vocab_limit - logits.shape[-1]), value=-float("inf"))
         self.forward_seconds += time.perf_counter() - started
         self.forward_passes += 1
         self.length = total
         return logits
+
+    def _check_ids(self, new_ids: torch.LongTensor) -> None:
+        """A clear error, not an IndexError in the embedding, for an id this model cannot embed (an
+        assistant whose vocabulary lacks a few of the target's padding rows, see `hf_polybasic.vocabulary`)."""
+        if new_ids.numel() and int(new_ids.max()) >= self.input_vocabulary:
+            raise ValueError(
+                f"token id {int(new_ids.max())} was generated but {self.role} has only {self.input_vocabulary} token "
+                "ids; every model of a chain must use the target's tokenizer (its vocabulary must cover every id "
+                "the target emits)"
+            )
 
     def rollback_to(self, length: int) -> None:
         """Forget cached tokens past ``length`` (no-op if fewer are cached)."""

@@ -51,7 +51,7 @@ def build_chain(
         level = DrafterLevel(bottom, rules.eos_token_ids, stats.levels[-1])
     else:
         level = ModelDrafter(
-            CachedModel(bottom, new_cache(bottom), role=f"assistant {names[-1]}", vocab_limit=vocab),
+            CachedModel(bottom, new_cache(bottom), role=f"assistant_models[{len(assistant_models) - 1}] ({names[-1]})", vocab_limit=vocab),
             rules,
             config.num_draft_tokens,
             stats.levels[-1],
@@ -63,7 +63,7 @@ def build_chain(
     for index in range(len(assistant_models) - 2, -1, -1):  # intermediate levels, bottom-up
         model = assistant_models[index]
         level = VerifyingLevel(
-            CachedModel(model, new_cache(model), role=f"assistant {names[index + 1]}", vocab_limit=vocab),
+            CachedModel(model, new_cache(model), role=f"assistant_models[{index}] ({names[index + 1]})", vocab_limit=vocab),
             level,
             rules,
             stats.levels[index + 1],
@@ -106,6 +106,9 @@ def decode_row(
                 break
         tokens = round_.tokens[:keep]
         sequence = torch.cat([sequence, tokens.unsqueeze(0)], dim=1)
+        # a stop inside the round leaves accepted drafts past the output in the caches: cut them, so
+        # every cache holds the output minus its last token (transformers' convention) when committed
+        top.rollback_to(sequence.shape[1] - 1)
         top.commit()
         if streamer is not None:
             streamer.put(tokens.cpu())

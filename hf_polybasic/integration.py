@@ -27,14 +27,11 @@ from .engine import build_chain, timed_decode
 from .chain import DecodingRules
 from .processing import processors_for_row, reject_stateful_processors
 from .stats import PolybasicStats
+from .vocabulary import as_id_list, check_chain_vocabularies, warn_if_levels_disagree
 
 # model_kwargs that `generate` prepares and the engine understands (it recomputes positions per row)
 HANDLED_MODEL_KWARGS = frozenset({"attention_mask", "past_key_values", "use_cache", "logits_to_keep", "position_ids"})
 LAST_STATS_ATTRIBUTE = "_hf_polybasic_last_stats"
-# output vocabulary sizes may differ by this much (absolute or relative, whichever is larger) and
-# still count as padding of one shared tokenizer (Qwen2.5: 151,665 real ids, 151,936 or 152,064 rows)
-MAX_VOCAB_PADDING_TOKENS = 256
-MAX_VOCAB_PADDING_FRACTION = 0.01
 
 
 @dataclass
@@ -55,20 +52,6 @@ def last_stats(model: torch.nn.Module) -> PolybasicStats | None:
 
 
 # --- validation ----------------------------------------------------------------------------------
-def _text_config(model):
-    return model.config.get_text_config(decoder=True)
-
-
-def _as_id_set(value) -> frozenset[int]:
-    if value is None:
-        return frozenset()
-    if isinstance(value, torch.Tensor):
-        return frozenset(int(v) for v in value.flatten().tolist())
-    if isinstance(value, int):
-        return frozenset({value})
-    return frozenset(int(v) for v in value)
-
-
 def validate_assistant_models(target, assistant_models) -> list[torch.nn.Module]:
     """The chain below the target, checked: a non-empty list of compatible decoder-only models."""
     if assistant_models is None:
@@ -97,34 +80,14 @@ def validate_assistant_models(target, assistant_models) -> list[torch.nn.Module]
                 f"assistant_models[{position}] must be a transformers model (nn.Module with a config) "
                 f"or, last, a hf_polybasic.drafters.Drafter; got {type(model).__name__}"
             )
-    chain_models = [m for m in models if not isinstance(m, Drafter)]
-    for role, model in [("target", target)] + [(f"assistant_models[{i}]", m) for i, m in enumerate(chain_models)]:
+    chain_models = [(i, m) for i, m in enumerate(models) if not isinstance(m, Drafter)]
+    for role, model in [("target", target)] + [(f"assistant_models[{i}]", m) for i, m in chain_models]:
         if getattr(model.config, "is_encoder_decoder", False):
             raise NotImplementedError(
                 f"{role} {type(model).__name__} is an encoder-decoder model; hf_polybasic supports decoder-only chains"
             )
-    _check_vocabularies(target, chain_models)
+    check_chain_vocabularies(target, chain_models)
     return models
-
-
-def _check_vocabularies(target, assistants) -> None:
-    target_config = _text_config(target)
-    for position, assistant in enumerate(assistants):
-        config = _text_config(assistant)
-        where = f"assistant_models[{position}] ({type(assistant).__name__}) and the target ({type(target).__name__})"
-        larger = max(config.vocab_size, target_config.vocab_size)
-        allowed = max(MAX_VOCAB_PADDING_TOKENS, MAX_VOCAB_PADDING_FRACTION * larger)
-        if abs(config.vocab_size - target_config.vocab_size) > allowed:
-            raise ValueError(
-                f"{where} have incompatible vocabularies: {config.vocab_size} vs {target_config.vocab_size} tokens. "
-                "Every model of a chain must use the target's tokenizer (output layers may differ only by padding)"
-            )
-        for name in ("bos_token_id", "eos_token_id"):
-            mine, theirs = _as_id_set(getattr(config, name, None)), _as_id_set(getattr(target_config, name, None))
-            if mine and theirs and not mine & theirs:
-                raise ValueError(
-                    f"{where} disagree on {name}: {sorted(mine)} vs {sorted(theirs)}; they do not share a tokenizer"
-                )
 
 
 def validate_generation_config(generation_config) -> None:
@@ -226,11 +189,12 @@ def generate(
     if given_cache is not None and given_cache.get_seq_length() > 0 and len(rows) > 1:
         raise ValueError("a pre-filled past_key_values can only be continued with a single prompt")
 
-    eos_token_ids = _as_id_set(generation_config.eos_token_id)
+    eos_token_ids = frozenset(as_id_list(generation_config.eos_token_id))
     keep_scores = return_dict and bool(generation_config.output_scores)
     keep_logits = return_dict and bool(generation_config.output_logits)
     total_stats: PolybasicStats | None = None
     results = []
+    warned = False  # about levels that disagree: once per call
     for row in rows:
         if not use_cache:
             target_cache = None
@@ -257,6 +221,8 @@ def generate(
                 keep_logits=keep_logits,
             )
         )
+        if not warned:
+            warned = warn_if_levels_disagree(stats, [True] + [not isinstance(m, Drafter) for m in assistants])
         if total_stats is None:
             total_stats = stats
         else:
@@ -279,8 +245,8 @@ def generate(
 
 def _pad_token_id(generation_config) -> int:
     pad = prepared_pad_token_id(generation_config)
-    if pad is None:
-        eos = sorted(_as_id_set(generation_config.eos_token_id))
+    if pad is None:  # as transformers does: the first EOS id
+        eos = as_id_list(generation_config.eos_token_id)
         pad = eos[0] if eos else 0
     return int(pad)
 
@@ -343,6 +309,11 @@ def enable(model, assistant_models: Sequence[torch.nn.Module] | None = None, pol
             )
         if kwargs.get("polybasic_config") is None and polybasic_config is not None:
             kwargs["polybasic_config"] = polybasic_config
+        if kwargs.get("tokenizer") is not None:
+            checked = validate_assistant_models(model, chain)
+            check_chain_vocabularies(
+                model, [(i, m) for i, m in enumerate(checked) if not isinstance(m, Drafter)], kwargs["tokenizer"]
+            )
         _route_stop_strings(kwargs)
         return plain_generate(model, *args, custom_generate=generate, assistant_models=chain, **kwargs)
 
