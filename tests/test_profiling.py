@@ -2,7 +2,7 @@
 
 import torch
 
-from hf_polybasic.drafters import PromptLookup
+from hf_polybasic.drafters import Drafter, PromptLookup
 from hf_polybasic.profiling import forward_cost, greedy_agreement, markdown_table, profile_level, run_levels_table
 from hf_polybasic.testing import make_target, noisy_copy, prompt
 
@@ -16,19 +16,39 @@ def _continuations(target, count=2, tokens=12):
     return pairs
 
 
-def test_forward_cost_is_a_positive_time_and_leaves_no_state():
+def test_forward_cost_leaves_the_model_as_it_was():
     target = make_target()
-    seconds = forward_cost(target, prompt(5), num_tokens=4, repeats=2)
-    assert seconds > 0
+    ids = prompt(5, seed=1)
+    before = target(ids).logits
+    state = {name: tensor.clone() for name, tensor in target.state_dict().items()}
+    forward_cost(target, prompt(5), num_tokens=4, repeats=2)
+    assert torch.equal(target(ids).logits, before)
+    assert all(torch.equal(tensor, state[name]) for name, tensor in target.state_dict().items())
+    assert not target._forward_pre_hooks and not target._forward_hooks
 
 
-def test_agreement_of_the_target_with_itself_is_k_and_of_a_worse_model_is_lower():
+class FirstTokensRight(Drafter):
+    """Proposes the continuation's next `right` tokens, then one wrong token."""
+
+    def __init__(self, continuation, prompt_length, right):
+        self.continuation, self.prompt_length, self.right = continuation, prompt_length, right
+
+    def propose(self, sequence, max_new_tokens):
+        start = sequence.shape[1] - self.prompt_length
+        good = self.continuation[start : start + self.right]
+        wrong = (self.continuation[start + self.right : start + self.right + 1] + 1) % 96
+        return torch.cat([good, wrong])[:max_new_tokens], None
+
+
+def test_agreement_counts_the_leading_tokens_equal_to_the_targets():
     target = make_target(seed=3)
-    continuations = _continuations(target)
+    continuations = _continuations(target, count=1, tokens=12)
+    ids, continuation = continuations[0]
     assert greedy_agreement(target, continuations, k=4, stride=4) == 4
-    noisy = greedy_agreement(noisy_copy(target, 0.6, seed=1), continuations, k=4, stride=4)
-    assert 0 <= noisy < 4
-    assert 0 <= greedy_agreement(PromptLookup(), continuations, k=4, stride=4) <= 4
+    for right in (0, 2, 3):
+        drafter = FirstTokensRight(continuation, ids.shape[1], right)
+        assert greedy_agreement(drafter, continuations, k=4, stride=4) == right
+    assert greedy_agreement(noisy_copy(target, 0.6, seed=1), continuations, k=4, stride=4) < 4
 
 
 def test_profile_row_and_table():

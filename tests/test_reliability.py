@@ -1,0 +1,223 @@
+"""Reliability: the state a call leaves behind, padded batches, what a drafter reports, vocabularies.
+
+Each test here failed before the fix it guards (issue 11).
+"""
+
+import pytest
+import torch
+from hf_polybasic.testing import EOS, PAD, make_chain, make_target, make_tokenizer, noisy_copy, prompt
+from transformers import DynamicCache, GenerationConfig, StoppingCriteria, StoppingCriteriaList
+
+import hf_polybasic as hp
+from hf_polybasic.drafters import Drafter
+from hf_polybasic.integration import _pad_token_id
+from hf_polybasic.verify import speculative_verify
+
+# a drafter that is the target itself, so every draft is accepted and rounds are long
+EVERY_DRAFT_ACCEPTED = hp.PolybasicConfig(num_draft_tokens=8, schedule="constant")
+
+
+@pytest.fixture(scope="module")
+def target_and_copy():
+    target = make_target("llama", seed=51)
+    return target, noisy_copy(target, 0.0, seed=1)
+
+
+class StopAfterToken(StoppingCriteria):
+    def __init__(self, token: int):
+        self.token = token
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return input_ids[:, -1] == self.token
+
+
+def _first_new_token_seen_once(reference, prompt_length: int, at_least: int) -> tuple[int, int]:
+    """(index, token): the first new token at index >= at_least that does not occur before it."""
+    new = reference[0, prompt_length:].tolist()
+    index = next(i for i in range(at_least, len(new)) if new[i] not in new[:i])
+    return index, new[index]
+
+
+# --- 1. the returned cache describes exactly the returned sequence ----------------------------------
+class CacheLengthRecorder:
+    """A streamer that records, after every put, (tokens streamed so far, the cache's length)."""
+
+    def __init__(self, cache):
+        self.cache = cache
+        self.tokens = 0
+        self.seen = []
+
+    def put(self, value):
+        self.tokens += value.numel()
+        self.seen.append((self.tokens, self.cache.get_seq_length()))
+
+    def end(self):
+        pass
+
+
+def test_cache_holds_the_sequence_minus_its_last_token_after_every_round(target_and_copy):
+    target, copy = target_and_copy
+    ids = prompt(6, seed=3)
+    reference = target.generate(ids, do_sample=False, max_new_tokens=20, eos_token_id=None)
+    index, stop_token = _first_new_token_seen_once(reference, ids.shape[1], at_least=2)
+    cache = DynamicCache(config=target.config)
+    recorder = CacheLengthRecorder(cache)
+    out = target.generate(
+        ids, custom_generate=hp.generate, assistant_models=[copy], polybasic_config=EVERY_DRAFT_ACCEPTED,
+        do_sample=False, max_new_tokens=20, eos_token_id=None, past_key_values=cache, streamer=recorder,
+        stopping_criteria=StoppingCriteriaList([StopAfterToken(stop_token)]), return_dict_in_generate=True,
+    )
+    assert out.sequences.shape[1] == ids.shape[1] + index + 1  # stopped inside the first (8-draft) round
+    assert out.past_key_values is cache
+    # the first put is the prompt (from transformers), then one per round
+    assert len(recorder.seen) >= 2
+    for streamed, cached in recorder.seen[1:]:
+        assert cached == streamed - 1
+
+
+def test_continuing_from_the_cache_after_a_stop_string_equals_plain_generate(target_and_copy):
+    target, copy = target_and_copy
+    tokenizer = make_tokenizer()
+    ids = prompt(6, seed=4)
+    reference = target.generate(ids, do_sample=False, max_new_tokens=20, eos_token_id=None)
+    index, stop_token = _first_new_token_seen_once(reference, ids.shape[1], at_least=2)
+    stop = tokenizer.decode([stop_token])
+    hp.enable(target)
+    try:
+        out = target.generate(
+            ids, assistant_models=[copy], polybasic_config=EVERY_DRAFT_ACCEPTED, do_sample=False,
+            max_new_tokens=20, eos_token_id=None, stop_strings=[stop], tokenizer=tokenizer,
+            return_dict_in_generate=True,
+        )
+    finally:
+        hp.disable(target)
+    assert out.sequences.shape[1] == ids.shape[1] + index + 1
+    assert out.past_key_values.get_seq_length() == out.sequences.shape[1] - 1
+    # the conversation goes on from the returned cache, as the batching how-to shows
+    follow = torch.cat([out.sequences, prompt(3, seed=9)], dim=1)
+    options = dict(do_sample=False, max_new_tokens=10, eos_token_id=None)
+    continued = target.generate(follow, past_key_values=out.past_key_values, **options)
+    assert torch.equal(continued, target.generate(follow, **options))
+
+
+# --- 2. forced EOS in left-padded batches ----------------------------------------------------------
+def test_forced_eos_reaches_every_row_of_a_left_padded_batch():
+    target, *assistants = make_chain("llama", 3, seed=11)
+    tokenizer = make_tokenizer()
+    texts = ["hello!there", "ab", "xyz"]
+    batch = tokenizer(texts, return_tensors="pt", padding=True)
+    options = dict(do_sample=False, max_new_tokens=6, eos_token_id=EOS, forced_eos_token_id=EOS, pad_token_id=PAD)
+    out = target.generate(
+        **batch, custom_generate=hp.generate, assistant_models=assistants,
+        polybasic_config=hp.PolybasicConfig(num_draft_tokens=3, block_threshold=4), **options,
+    )
+    width = batch.input_ids.shape[1]
+    for row, text in enumerate(texts):
+        single = tokenizer(text, return_tensors="pt")
+        alone = target.generate(**single, **options)[0, single.input_ids.shape[1] :]
+        assert int(alone[-1]) == EOS
+        assert torch.equal(out[row, width : width + alone.shape[0]], alone)
+
+
+# --- 3. drafts the drafter itself gave probability 0 ------------------------------------------------
+def test_a_draft_with_probability_zero_under_proposal_and_target_is_never_accepted():
+    target_probs = torch.tensor([[0.5, 0.5, 0.0], [0.2, 0.3, 0.5]])  # [k + 1, V]
+    draft_probs = torch.tensor([[0.5, 0.5, 0.0]])  # [k, V]: the draft (id 2) has q = 0
+    for seed in range(200):
+        generator = torch.Generator().manual_seed(seed)
+        num_accepted, next_token = speculative_verify(torch.tensor([2]), draft_probs, target_probs, generator)
+        assert num_accepted == 0 and next_token != 2
+
+
+class ZeroProbabilityDrafter(Drafter):
+    """Proposes token 5 but reports probability 0 for it (a buggy custom drafter)."""
+
+    def propose(self, sequence, max_new_tokens):
+        if max_new_tokens < 1:
+            return sequence[0, :0], None
+        log_probs = torch.full((1, 96), -torch.log(torch.tensor(95.0)).item())
+        log_probs[0, 5] = -float("inf")
+        return torch.tensor([5]), log_probs
+
+
+class UnnormalizedDrafter(Drafter):
+    def propose(self, sequence, max_new_tokens):
+        if max_new_tokens < 1:
+            return sequence[0, :0], None
+        return torch.tensor([5]), torch.zeros(1, 96)  # exp sums to 96, not 1
+
+
+@pytest.mark.parametrize(
+    "drafter, message",
+    [(ZeroProbabilityDrafter(), "probability 0 for the token"), (UnnormalizedDrafter(), "sum to 1")],
+)
+def test_a_drafter_that_misreports_its_proposal_is_a_clear_error(target_and_copy, drafter, message):
+    target, _ = target_and_copy
+    with pytest.raises(ValueError, match=f"{type(drafter).__name__}.*{message}"):
+        target.generate(
+            prompt(4), custom_generate=hp.generate, assistant_models=[drafter], do_sample=True, max_new_tokens=4
+        )
+
+
+# --- 4. vocabularies --------------------------------------------------------------------------------
+def test_an_assistant_that_cannot_represent_the_targets_tokens_is_refused_by_name():
+    target = make_target("llama", seed=4, vocab=96)
+    small = make_target("qwen2", seed=5, vocab=50)
+    with pytest.raises(ValueError, match=r"assistant_models\[0\] Qwen2ForCausalLM.*50 token ids.*LlamaForCausalLM.*96"):
+        target.generate(prompt(4, vocab=50), custom_generate=hp.generate, assistant_models=[small], max_new_tokens=4)
+
+
+def test_a_token_beyond_a_slightly_smaller_assistant_is_a_clear_error_not_an_index_error():
+    """Within the padding tolerance (1% here: 199 of 200 ids) the check happens when the target
+    emits an id the assistant lacks."""
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    class ForceLastId(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            forced = torch.full_like(scores, -float("inf"))
+            forced[:, 199] = 0
+            return forced
+
+    target = make_target("llama", seed=6, vocab=200)
+    assistant = make_target("llama", seed=7, vocab=199)
+    with pytest.raises(ValueError, match=r"token id 199.*assistant_models\[0\].*199 token ids"):
+        target.generate(
+            prompt(4), custom_generate=hp.generate, assistant_models=[assistant], do_sample=False, max_new_tokens=4,
+            logits_processor=LogitsProcessorList([ForceLastId()]),
+        )
+
+
+def test_a_tokenizer_longer_than_an_assistants_vocabulary_is_refused():
+    """Without a tokenizer, 198 of the target's 200 rows pass as padding; the tokenizer says 199
+    ids are real, and the assistant lacks one of them."""
+    target = make_target("llama", seed=4, vocab=200)
+    assistant = make_target("llama", seed=8, vocab=198)
+    hp.enable(target)
+    try:
+        with pytest.raises(ValueError, match=r"tokenizer has 199 ids but assistant_models\[0\].*198"):
+            target.generate(
+                prompt(4), assistant_models=[assistant], tokenizer=make_tokenizer(vocab=199), max_new_tokens=4
+            )
+    finally:
+        hp.disable(target)
+
+
+def test_models_that_never_agree_are_reported_not_silently_slow():
+    """Two tokenizers of the same size (here: the assistant's ids permuted) pass every size check;
+    the acceptance collapses, and the call warns instead of being silently slow."""
+    target = make_target("llama", seed=12)
+    permuted = noisy_copy(target, 0.0, seed=1)
+    order = torch.randperm(96, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        permuted.lm_head.weight.copy_(permuted.lm_head.weight[order])
+        permuted.model.embed_tokens.weight.copy_(permuted.model.embed_tokens.weight[order])
+    ids = prompt(6, seed=2)
+    options = dict(do_sample=False, max_new_tokens=40, eos_token_id=None)
+    with pytest.warns(UserWarning, match=r"accepted .* of .* drafts.*share a tokenizer"):
+        out = target.generate(ids, custom_generate=hp.generate, assistant_models=[permuted], **options)
+    assert torch.equal(out, target.generate(ids, **options))
+
+
+# --- 5. pad fallback ----------------------------------------------------------------------------------
+def test_pad_falls_back_to_the_first_eos_id_as_in_transformers():
+    assert _pad_token_id(GenerationConfig(eos_token_id=[7, 2])) == 7
