@@ -18,7 +18,7 @@ minutes on a 2-core CPU (the first run also installs the models: about 1.6 GB fr
 import argparse
 import tempfile
 
-from hf_polybasic.bench import BenchSettings, run_benchmark
+from hf_polybasic.tools.bench import BenchSettings, run_benchmark
 
 
 def main() -> None:

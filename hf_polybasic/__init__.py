@@ -19,7 +19,7 @@ To choose the chain, K and mu from measurements, profile a pool and plan::
 from . import drafters, levels
 from .config import PolybasicConfig
 from .integration import PolybasicGenerateOutput, disable, enable, generate, last_stats
-from .planner import Plan, Profile, plan, profile
+from .planning import Plan, Profile, plan, profile
 from .stats import LevelStats, PolybasicStats
 
 __all__ = [

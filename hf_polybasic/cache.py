@@ -1,30 +1,23 @@
 """One model with its own `DynamicCache`: feed tokens, read logits, roll back, commit.
 
-Invariant of `CachedModel`: its cache holds the keys/values of ``sequence[:, :length]`` for whatever
+Invariant of `CachedModel`: its cache holds the keys/values of ``sequence[:length]`` for whatever
 sequence the chain passes next; callers keep it true by calling `rollback_to` whenever they discard
 tokens. Rollbacks only go down the chain (a verifier rolls back the level below it) and never
 re-prefill from scratch: they cut the tail of the cache.
 
 Rollback across several verification rounds: an intermediate level's block is verified by the
 level above only after several of its own rounds, so its cache must be able to drop tokens older
-than its last round. `DynamicCache.crop` on a sliding-window layer restricts the stored states back
-to the window after every call, which would make such a rollback impossible; `rollback_to` therefore
-trims sliding layers without restricting them, and `commit` (called once the target has verified a
-block, when no rollback can reach before it) restricts them with ``crop(0)``.
+than its last round. Sliding-window layers therefore keep their past states until `commit` (called
+once the target has verified a block, when no rollback can reach before it) restricts them to the
+window; how that is done for each transformers release lives in `hf_polybasic.compat`.
 """
 
 from __future__ import annotations
 
-import functools
-import inspect
-import time
-
 import torch
-from transformers.cache_utils import Cache, DynamicCache, DynamicIndexedLayer, DynamicLayer, DynamicSlidingWindowLayer
 
-from .compat import is_stateful, trim_sliding_layer_tail
-
-ROLLBACK_LAYER_TYPES = (DynamicLayer, DynamicSlidingWindowLayer, DynamicIndexedLayer)
+from . import compat
+from .timing import DEFAULT_CLOCK, Clock, timed
 
 
 def model_label(model: torch.nn.Module) -> str:
@@ -42,38 +35,29 @@ def input_vocabulary_size(model: torch.nn.Module) -> int:
     return int(model.config.get_text_config(decoder=True).vocab_size)
 
 
-def check_rollback_support(model: torch.nn.Module, cache: Cache, role: str) -> None:
-    """Raise a clear error if `cache` cannot be rolled back token by token.
+def check_rollback_support(model: torch.nn.Module, cache, role: str) -> None:
+    """Raise a clear error if ``cache`` cannot be rolled back token by token.
 
     ``role`` names the model in messages, e.g. "target M1 LlamaForCausalLM".
     """
-    if is_stateful(model):
+    if compat.is_stateful(model):
         raise ValueError(
             f"{role} is stateful (recurrent/SSM state); its state cannot be rolled back after a rejected draft, "
             "so it cannot be part of a speculative chain"
         )
-    if type(cache) is not DynamicCache:
+    if not compat.is_dynamic_cache(cache):
         raise ValueError(
             f"{role} uses a {type(cache).__name__}, which cannot be rolled back token by token "
             "(static and quantized caches have no exact crop); use the default DynamicCache "
             "(do not set cache_implementation / pass another cache type)"
         )
-    for index, layer in enumerate(cache.layers):
-        if type(layer) not in ROLLBACK_LAYER_TYPES:
-            raise ValueError(
-                f"{role}: cache layer {index} is a {type(layer).__name__} (recurrent or linear-attention state), "
-                "which cannot be rolled back after a rejected draft; such models cannot be part of a speculative chain"
-            )
-
-
-@functools.lru_cache(maxsize=None)
-def _accepts_logits_to_keep(model_class: type) -> bool:
-    return "logits_to_keep" in inspect.signature(model_class.forward).parameters
-
-
-def new_cache(model: torch.nn.Module) -> DynamicCache:
-    """A fresh `DynamicCache` laid out for `model` (sliding layers where the config says so)."""
-    return DynamicCache(config=model.config.get_text_config(decoder=True))
+    unsupported = compat.unrollable_layer(cache)
+    if unsupported is not None:
+        index, name = unsupported
+        raise ValueError(
+            f"{role}: cache layer {index} is a {name} (recurrent or linear-attention state), "
+            "which cannot be rolled back after a rejected draft; such models cannot be part of a speculative chain"
+        )
 
 
 class CachedModel:
@@ -86,55 +70,62 @@ class CachedModel:
     Attributes:
         length: tokens of the current sequence whose keys/values are cached.
         forward_passes: forward calls made (F_i in the paper).
-        forward_seconds: wall time spent inside those calls.
+        forward_log: ``(tokens fed, seconds)`` of every forward, in order: what it costs to score k
+            tokens on this machine (`hf_polybasic.costs` learns cost curves from it).
     """
 
-    def __init__(self, model: torch.nn.Module, cache: Cache | None, role: str, vocab_limit: int | None = None):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        cache,
+        role: str,
+        vocab_limit: int | None = None,
+        clock: Clock = DEFAULT_CLOCK,
+    ):
         self.model = model
         self.vocab_limit = vocab_limit
         self.cache = cache
         self.role = role
+        self.clock = clock
         self.device = model.device
         if cache is not None:
             check_rollback_support(model, cache, role)
-            cache.activate_past_recording()
+            compat.record_past_states(cache)
         self.length = cache.get_seq_length() if cache is not None else 0
         self.forward_passes = 0
-        self.forward_seconds = 0.0
+        self.forward_log: list[tuple[int, float]] = []
         self.input_vocabulary = input_vocabulary_size(model)
-        self._accepts_logits_to_keep = _accepts_logits_to_keep(type(model))
+        self._accepts_logits_to_keep = compat.accepts_logits_to_keep(model)
 
-    def next_token_logits(self, sequence: torch.LongTensor, num_positions: int) -> torch.Tensor:
-        """Float32 logits ``[num_positions, V]`` for the last positions of ``sequence`` ([1, L]).
+    def logits(self, sequence: torch.LongTensor, num_positions: int) -> torch.Tensor:
+        """Float32 logits ``[num_positions, V]`` for the last positions of ``sequence`` ``[L]``.
 
-        Row j predicts the token after ``sequence[:, :L - num_positions + 1 + j]``. Only tokens not
+        Row j predicts the token after ``sequence[:L - num_positions + 1 + j]``. Only tokens not
         yet cached are fed; afterwards all L tokens are cached.
         """
-        total = sequence.shape[1]
+        total = sequence.shape[0]
         first_needed = total - num_positions
         if self.length > first_needed:
             self.rollback_to(first_needed)
-        kwargs = {}
-        if self._accepts_logits_to_keep:
-            kwargs["logits_to_keep"] = num_positions
-        self._check_ids(sequence[:, 0 if self.cache is None else self.length :])
-        started = time.perf_counter()
-        if self.cache is None:
-            inputs = sequence.to(self.device)
-            outputs = self.model(input_ids=inputs, use_cache=False, **kwargs)
-        else:
-            inputs = sequence[:, self.length :].to(self.device)
-            positions = torch.arange(self.length, total, device=self.device).unsqueeze(0)
-            outputs = self.model(
-                input_ids=inputs, position_ids=positions, past_key_values=self.cache, use_cache=True, **kwargs
-            )
-        logits = outputs.logits[0, -num_positions:, : self.vocab_limit].float()
+        fed = sequence[0 if self.cache is None else self.length :]
+        self._check_ids(fed)
+        kwargs = {"logits_to_keep": num_positions} if self._accepts_logits_to_keep else {}
+        inputs = fed.unsqueeze(0).to(self.device)
+        with timed(self.clock) as span:
+            if self.cache is None:
+                outputs = self.model(input_ids=inputs, use_cache=False, **kwargs)
+            else:
+                positions = torch.arange(self.length, total, device=self.device).unsqueeze(0)
+                outputs = self.model(
+                    input_ids=inputs, position_ids=positions, past_key_values=self.cache, use_cache=True, **kwargs
+                )
+            logits = outputs.logits[0, -num_positions:, : self.vocab_limit].float()
+        self.forward_log.append((int(fed.shape[0]), span.seconds))
+        self.forward_passes += 1
+        self.length = total
         if self.vocab_limit is not None and logits.shape[-1] < self.vocab_limit:
             # ids this model lacks (padding rows of the target's output layer) are never proposed
             logits = torch.nn.functional.pad(logits, (0, self.vocab_limit - logits.shape[-1]), value=-float("inf"))
-        self.forward_seconds += time.perf_counter() - started
-        self.forward_passes += 1
-        self.length = total
         return logits
 
     def _check_ids(self, new_ids: torch.LongTensor) -> None:
@@ -152,19 +143,10 @@ class CachedModel:
         if length >= self.length:
             return
         if self.cache is not None:
-            remove = self.length - length
-            for layer in self.cache.layers:
-                if isinstance(layer, DynamicSlidingWindowLayer):
-                    trim_sliding_layer_tail(layer, remove)
-                else:
-                    layer.crop(-remove)
+            compat.remove_last_tokens(self.cache, self.length - length)
         self.length = length
 
     def commit(self) -> None:
         """Everything cached is final: let sliding layers drop states outside their window."""
-        if self.cache is None:
-            return
-        for layer in self.cache.layers:
-            # DynamicSlidingWindowLayer.crop(0) fails on a layer that never saw a token (transformers 5.23)
-            if isinstance(layer, DynamicSlidingWindowLayer) and layer.is_initialized:
-                layer.crop(0)
+        if self.cache is not None:
+            compat.restrict_sliding_layers(self.cache)

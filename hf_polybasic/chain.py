@@ -1,62 +1,46 @@
-"""The recursive chain, as transformers `CandidateGenerator`s.
+"""The recursive chain: verifiers over the level below, and how a chain is assembled.
 
-A chain M1 > M2 > ... > Mn is built recursively:
+A chain M1 > M2 > ... > Mn is built bottom-up (`build_chain`):
 
-* the bottom model Mn is a `ModelDrafter`: it drafts K tokens autoregressively from its processed
-  distribution;
-* every model above it is a `VerifyingLevel` over the level below: one forward pass scores a whole
-  draft, `hf_polybasic.verify` decides what is accepted, and an intermediate level repeats this
-  until it holds mu verified tokens, which it hands up as *its* draft, together with the processed
-  distribution each token was drawn from. The target M1 is a `VerifyingLevel` too; the engine just
-  runs one round of it at a time and appends the result to the output.
+* the bottom is a drafter (`hf_polybasic.drafting`): a model drafting K tokens, or a `Drafter`;
+* every model above it is a `Verifier` over the level below: one forward pass scores a whole
+  proposal, `hf_polybasic.verify` decides what is accepted (the one place that happens), and the
+  rejected tail is rolled back; an intermediate model is an `IntermediateLevel`, which repeats
+  verifications until it holds mu tokens and hands them up as *its* proposal, together with the
+  processed distribution each token was drawn from. The target M1 is the top `Verifier`; the engine
+  runs one verification of it at a time and emits the result.
 
-Why the chain is lossless: by `hf_polybasic.verify`, the tokens a verifying level emits are an
+Why the chain is lossless: by `hf_polybasic.verify`, the tokens a verifier emits are an
 autoregressive sample of its own processed distribution p_i (greedy: its argmax continuation),
 whatever the level below proposed. So the block M_i hands up really is drawn from the q = p_i it
 reports, which is exactly what the level above needs for its own verification to be exact. By
 induction up the chain, the target emits a sample of its processed distribution (greedy: its own
 greedy output), for any number of levels, any K and any mu.
-
-Protocol (transformers' `CandidateGenerator`, plus two methods): ``get_candidates(input_ids,
-max_new_tokens)`` returns the full sequence ``[1, L + m]`` and the proposal log-probabilities
-``[1, m, V]`` (or None for a point mass); ``update_candidate_strategy(input_ids, scores,
-num_matches)`` tells the level how many of its m tokens the level above accepted;
-``rollback_to(length)`` and ``commit()`` move down the chain to every cache.
 """
 
 from __future__ import annotations
 
-import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from transformers.generation import CandidateGenerator, LogitsProcessorList
 
-from .cache import CachedModel
-from .processing import process_positions
+from .cache import CachedModel, model_label
+from .compat import new_dynamic_cache
+from .config import MAX_BLOCK_THRESHOLD, MAX_DRAFT_TOKENS, PolybasicConfig
+from .drafters import Drafter
+from .drafting import DrafterLevel, ModelDrafter
+from .processing import DecodingRules, process_positions
+from .protocol import Block, Level, Proposal
 from .schedule import ProposalSchedule
-from .stats import LevelStats
+from .stats import LevelStats, PolybasicStats
+from .timing import DEFAULT_CLOCK, Clock, timed
 from .verify import greedy_verify, speculative_verify
-
-
-@dataclass(frozen=True)
-class DecodingRules:
-    """What every level shares: the prepared processors and how tokens are chosen.
-
-    Attributes:
-        processors: the `LogitsProcessorList` `generate` prepared for the target.
-        do_sample: draw tokens (True) or take the argmax (False).
-        eos_token_ids: ids that end generation; blocks stop right after one.
-    """
-
-    processors: LogitsProcessorList
-    do_sample: bool
-    eos_token_ids: frozenset[int]
 
 
 @dataclass
 class Round:
-    """The result of one verification: the tokens emitted and their target rows.
+    """One verification: the tokens emitted and the verifier's rows for them.
 
     tokens: [m] emitted ids (accepted drafts, then the verifier's own token);
     scores: [m, V] processed scores they were chosen from; logits: [m, V] raw logits.
@@ -65,197 +49,152 @@ class Round:
     tokens: torch.LongTensor
     scores: torch.Tensor
     logits: torch.Tensor
-    num_accepted: int
 
 
-def length_through_eos(tokens: torch.LongTensor, eos_token_ids: frozenset[int]) -> int:
-    """Number of tokens to keep: up to and including the first EOS, else all."""
-    for index, token in enumerate(tokens.tolist()):
-        if token in eos_token_ids:
-            return index + 1
-    return tokens.shape[0]
+class Verifier:
+    """A model that verifies the proposals of the level below it.
 
-
-class ChainLevel(CandidateGenerator):
-    """A level of a chain: a candidate generator whose state the level above can roll back.
-
-    Subclasses set ``_prefix_length`` (the length of the sequence given to the last
-    `get_candidates`) and implement `rollback_to` and `commit`.
+    ``samples=False`` verifies by argmax even when the target samples (an intermediate level with
+    ``verification="greedy"``).
     """
 
-    _prefix_length = 0
-    # how many tokens this level proposes per round; None: fixed by the level itself
-    schedule: ProposalSchedule | None = None
+    def __init__(
+        self,
+        runner: CachedModel,
+        child: Level,
+        rules: DecodingRules,
+        stats: LevelStats,
+        samples: bool,
+        clock: Clock = DEFAULT_CLOCK,
+    ):
+        self.runner, self.child, self.rules, self.stats = runner, child, rules, stats
+        self.samples = samples
+        self.clock = clock
 
-    def update_candidate_strategy(self, input_ids, scores, num_matches: int) -> None:
-        """The level above kept ``num_matches`` of the tokens of the last `get_candidates`."""
-        self.rollback_to(self._prefix_length + num_matches)
+    def verify(self, sequence: torch.LongTensor, budget: int) -> Round:
+        """Ask the child for a proposal, score it in one forward pass, keep what is accepted.
+
+        Emits between 1 and ``budget`` tokens (the child proposes at most one fewer).
+        """
+        proposal = self.child.propose(sequence, budget - 1)
+        start = sequence.shape[0]
+        with self.stats.timed(self.clock) as span:
+            candidates = torch.cat([sequence, proposal.tokens])
+            logits = self.runner.logits(candidates, len(proposal) + 1).to(sequence.device)  # [k + 1, V]
+            scores = process_positions(self.rules.processors, candidates, start, logits)  # [k + 1, V]
+            if self.samples:
+                draft_probs = None if proposal.probs is None else proposal.probs.to(scores.device)
+                accepted, next_token = speculative_verify(proposal.tokens, draft_probs, scores.softmax(-1))
+            else:
+                accepted, next_token = greedy_verify(proposal.tokens, scores)
+            self.stats.record_verification(len(proposal), accepted)
+            self.runner.rollback_to(start + accepted)
+        self.stats.forward_passes = self.runner.forward_passes
+        self.child.verified(accepted, span.seconds)
+        tokens = torch.cat([proposal.tokens[:accepted], proposal.tokens.new_tensor([next_token])])
+        return Round(tokens=tokens, scores=scores[: accepted + 1], logits=logits[: accepted + 1])
 
     def rollback_to(self, length: int) -> None:
         """Forget everything about tokens past ``length``, here and in every level below."""
-        raise NotImplementedError
-
-    def commit(self) -> None:
-        """Everything so far is final (the target has verified it), here and below."""
-        raise NotImplementedError
-
-
-class ModelDrafter(ChainLevel):
-    """Bottom level: drafts up to K tokens with a model, sampling from (or taking the argmax of)
-    its processed distribution; stops early after an EOS.
-
-    ``greedy_drafts`` drafts by argmax even when sampling (for a parent that verifies greedily);
-    the proposal is then a point mass and reported as None.
-    """
-
-    def __init__(
-        self,
-        runner: CachedModel,
-        rules: DecodingRules,
-        num_draft_tokens: int,
-        stats: LevelStats,
-        greedy_drafts: bool = False,
-        schedule: ProposalSchedule | None = None,
-    ):
-        self.runner = runner
-        self.rules = rules
-        self.stats = stats
-        self.samples = rules.do_sample and not greedy_drafts
-        self.schedule = schedule or ProposalSchedule("constant", num_draft_tokens, num_draft_tokens)
-
-    def get_candidates(self, input_ids: torch.LongTensor, max_new_tokens: int | None = None):
-        started = time.perf_counter()
-        length = self.schedule.length()
-        limit = length if max_new_tokens is None else min(length, max_new_tokens)
-        self._prefix_length = input_ids.shape[1]
-        sequence = input_ids
-        log_probs = []
-        for _ in range(limit):
-            logits = self.runner.next_token_logits(sequence, 1).to(sequence.device)  # [1, V]
-            scores = process_positions(self.rules.processors, sequence, sequence.shape[1], logits)
-            probs = scores.softmax(-1) if self.samples or self.schedule.stops_per_token else None
-            if self.samples:
-                log_probs.append(self.proposal_log_probs(scores, logits))
-                token = torch.multinomial(probs, 1)  # [1, 1]
-            else:
-                token = scores.argmax(-1, keepdim=True)
-            sequence = torch.cat([sequence, token.to(sequence.device)], dim=1)
-            if int(token) in self.rules.eos_token_ids:
-                break
-            # the token just drawn is kept whatever it is; only whether to draw another depends on it
-            if self.schedule.stops_per_token and not self.schedule.keep_drafting(float(probs[0, int(token)])):
-                break
-        drafted = sequence.shape[1] - input_ids.shape[1]
-        elapsed = time.perf_counter() - started
-        self.schedule.observe_proposal(drafted, elapsed)
-        self.stats.proposed += drafted
-        self.stats.forward_passes = self.runner.forward_passes
-        self.stats.seconds += elapsed
-        proposal = torch.cat(log_probs, dim=0).unsqueeze(0) if log_probs else None
-        return sequence, proposal
-
-    @staticmethod
-    def proposal_log_probs(scores: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-        """The q reported upward: the processed distribution the token was drawn from (not the raw
-        logits, which would make the chain lossy under top-k/top-p/temperature)."""
-        return scores.log_softmax(-1)
-
-    def rollback_to(self, length: int) -> None:
-        self.runner.rollback_to(length)
-
-    def commit(self) -> None:
-        self.runner.commit()
-
-
-class VerifyingLevel(ChainLevel):
-    """A model that verifies the stream of the level below it.
-
-    As an intermediate level (``block_threshold`` = mu, or a ``schedule`` that varies it) it is
-    itself a candidate generator for the level above; as the target (neither given) the engine
-    calls `verify_round` directly. After each verification it reports the outcome to the child's
-    schedule.
-    ``greedy_proposals`` makes it verify by argmax and hand up a point mass even when sampling.
-    """
-
-    def __init__(
-        self,
-        runner: CachedModel,
-        child: ChainLevel,
-        rules: DecodingRules,
-        stats: LevelStats,
-        block_threshold: int | None = None,
-        greedy_proposals: bool = False,
-        schedule: ProposalSchedule | None = None,
-    ):
-        self.runner = runner
-        self.child = child
-        self.rules = rules
-        self.stats = stats
-        if schedule is None and block_threshold is not None:
-            schedule = ProposalSchedule("constant", block_threshold, block_threshold)
-        self.schedule = schedule
-        self.samples = rules.do_sample and not greedy_proposals
-
-    # --- one verification --------------------------------------------------------------------
-    def verify_round(self, sequence: torch.LongTensor, max_new_tokens: int) -> Round:
-        """Ask the child for a draft, verify it in one forward pass, roll back what was rejected.
-
-        Emits between 1 and ``max_new_tokens`` tokens (the child drafts at most one fewer).
-        """
-        candidates, proposal_log_probs = self.child.get_candidates(sequence, max_new_tokens=max_new_tokens - 1)
-        started = time.perf_counter()
-        prefix_length = sequence.shape[1]
-        draft = candidates[0, prefix_length:]  # [k]
-        num_drafted = draft.shape[0]
-        logits = self.runner.next_token_logits(candidates, num_drafted + 1).to(sequence.device)  # [k+1, V]
-        scores = process_positions(self.rules.processors, candidates, prefix_length, logits)  # [k+1, V]
-        if self.samples:
-            draft_probs = None if proposal_log_probs is None else proposal_log_probs[0].to(scores.device).exp()
-            num_accepted, next_token = speculative_verify(draft, draft_probs, scores.softmax(-1))
-        else:
-            num_accepted, next_token = greedy_verify(draft, scores)
-        self.stats.record_verification(num_drafted, num_accepted)
-        self.runner.rollback_to(prefix_length + num_accepted)
-        self.stats.forward_passes = self.runner.forward_passes
-        elapsed = time.perf_counter() - started
-        self.stats.seconds += elapsed
-        if self.child.schedule is not None:
-            self.child.schedule.observe_verification(num_drafted, num_accepted, elapsed)
-        self.child.update_candidate_strategy(candidates, scores, num_accepted)
-        tokens = torch.cat([draft[:num_accepted], draft.new_tensor([next_token])])
-        kept = num_accepted + 1
-        return Round(tokens=tokens, scores=scores[:kept], logits=logits[:kept], num_accepted=num_accepted)
-
-    # --- as a candidate generator for the level above ----------------------------------------
-    def get_candidates(self, input_ids: torch.LongTensor, max_new_tokens: int | None = None):
-        """Verified tokens until the block holds at least mu of them (or EOS / the budget)."""
-        if max_new_tokens is None:
-            raise ValueError("VerifyingLevel.get_candidates needs max_new_tokens (the remaining length budget)")
-        if self.schedule is None:
-            raise ValueError("the target level has no block threshold: call verify_round, not get_candidates")
-        started = time.perf_counter()
-        threshold = self.schedule.length()
-        self._prefix_length = input_ids.shape[1]
-        sequence = input_ids
-        log_probs = []
-        while sequence.shape[1] - input_ids.shape[1] < min(threshold, max_new_tokens):
-            budget = max_new_tokens - (sequence.shape[1] - input_ids.shape[1])
-            round_ = self.verify_round(sequence, budget)
-            keep = length_through_eos(round_.tokens, self.rules.eos_token_ids)
-            sequence = torch.cat([sequence, round_.tokens[:keep].unsqueeze(0)], dim=1)
-            if self.samples:
-                log_probs.append(round_.scores[:keep].log_softmax(-1))
-            if int(sequence[0, -1]) in self.rules.eos_token_ids:
-                break
-        self.stats.proposed += sequence.shape[1] - input_ids.shape[1]
-        self.schedule.observe_proposal(sequence.shape[1] - input_ids.shape[1], time.perf_counter() - started)
-        proposal = torch.cat(log_probs, dim=0).unsqueeze(0) if log_probs else None
-        return sequence, proposal
-
-    def rollback_to(self, length: int) -> None:
         self.runner.rollback_to(length)
         self.child.rollback_to(length)
 
     def commit(self) -> None:
+        """Everything so far is final (the target has verified it), here and below."""
         self.runner.commit()
         self.child.commit()
+
+
+class IntermediateLevel:
+    """A `Verifier` that the level above uses as its proposer: it verifies rounds of the level
+    below until its block holds at least mu tokens (the schedule's length), an EOS or the budget."""
+
+    def __init__(self, verifier: Verifier, schedule: ProposalSchedule, clock: Clock = DEFAULT_CLOCK):
+        self.verifier, self.schedule, self.clock = verifier, schedule, clock
+        self.stats = verifier.stats
+        self._start = 0
+        self._proposed = 0
+
+    def propose(self, sequence: torch.LongTensor, budget: int) -> Proposal:
+        threshold = self.schedule.length()
+        block = Block(self.verifier.rules.eos_token_ids, budget, sequence.device)
+        self._start = sequence.shape[0]
+        with timed(self.clock) as span:  # this level and everything below: what the block cost
+            while not block.closed and block.size < threshold:
+                round_ = self.verifier.verify(torch.cat([sequence, block.tokens]), budget - block.size)
+                block.extend(round_.tokens, round_.scores.softmax(-1) if self.verifier.samples else None)
+        proposal = block.proposal()
+        self._proposed = len(proposal)
+        self.stats.proposed += len(proposal)
+        self.schedule.observe_proposal(len(proposal), span.seconds)
+        return proposal
+
+    def verified(self, kept: int, seconds: float) -> None:
+        self.schedule.observe_verification(self._proposed, kept, seconds)
+        self.rollback_to(self._start + kept)
+
+    def rollback_to(self, length: int) -> None:
+        self.verifier.rollback_to(length)
+
+    def commit(self) -> None:
+        self.verifier.commit()
+
+
+@dataclass(frozen=True)
+class ChainParts:
+    """The classes a chain is built from. `hf_polybasic.integration.make_generate` takes another set:
+    tests inject deliberately wrong levels to prove that the distribution tests can fail."""
+
+    model_drafter: type = ModelDrafter
+    drafter_level: type = DrafterLevel
+    intermediate: type = IntermediateLevel
+    verifier: type = Verifier
+
+
+def level_names(target: torch.nn.Module, assistant_models: Sequence) -> list[str]:
+    """"M1 <target class>", "M2 <class or Drafter repr>", ..., as in the statistics."""
+    return [
+        f"M{i + 1} {repr(m) if isinstance(m, Drafter) else model_label(m)}"
+        for i, m in enumerate([target, *assistant_models])
+    ]
+
+
+def build_chain(
+    target: torch.nn.Module,
+    assistant_models: Sequence,
+    config: PolybasicConfig,
+    rules: DecodingRules,
+    target_cache,
+    parts: ChainParts = ChainParts(),
+    clock: Clock = DEFAULT_CLOCK,
+) -> tuple[Verifier, PolybasicStats]:
+    """The chain M1 > M2 > ... > Mn, with a fresh cache for every assistant model; returns its top
+    `Verifier` (the target, over ``target_cache``, None when ``use_cache=False``) and the call's
+    statistics, one `LevelStats` per model."""
+    names = level_names(target, assistant_models)
+    roles = ["target"] + ["intermediate"] * (len(assistant_models) - 1) + ["drafter"]
+    stats = PolybasicStats(levels=[LevelStats(name=name, role=role) for name, role in zip(names, roles)])
+    vocab = target.config.get_text_config(decoder=True).vocab_size
+    greedy_intermediates = config.verification == "greedy"
+
+    def runner(index: int, model) -> CachedModel:
+        role = f"assistant_models[{index}] ({names[index + 1]})"
+        return CachedModel(model, new_dynamic_cache(model), role=role, vocab_limit=vocab, clock=clock)
+
+    bottom = len(assistant_models) - 1
+    if isinstance(assistant_models[bottom], Drafter):
+        level = parts.drafter_level(assistant_models[bottom], rules, stats.levels[-1], clock)
+    else:
+        schedule = ProposalSchedule(config.schedule, config.num_draft_tokens, MAX_DRAFT_TOKENS, stops_early=True)
+        # below a greedy intermediate level, sampled drafts would only lower its acceptance
+        samples = rules.do_sample and not (greedy_intermediates and bottom > 0)
+        level = parts.model_drafter(runner(bottom, assistant_models[bottom]), rules, stats.levels[-1], schedule, samples, clock)
+    thresholds = config.thresholds_for(bottom)
+    for index in range(bottom - 1, -1, -1):  # intermediate levels, bottom-up
+        samples = rules.do_sample and not greedy_intermediates
+        verifier = parts.verifier(runner(index, assistant_models[index]), level, rules, stats.levels[index + 1], samples, clock)
+        schedule = ProposalSchedule(config.schedule, thresholds[index], MAX_BLOCK_THRESHOLD)
+        level = parts.intermediate(verifier, schedule, clock)
+    target_runner = CachedModel(target, target_cache, role=f"target {names[0]}", clock=clock)
+    top = parts.verifier(target_runner, level, rules, stats.levels[0], rules.do_sample, clock)
+    return top, stats

@@ -1,27 +1,38 @@
-"""Every use of transformers internals lives here, each behind a version check and a test.
+"""Every use of transformers internals, behind named functions, each covered by tests.
 
-* `trim_sliding_layer_tail`: writes `DynamicSlidingWindowLayer.keys/values/cumulative_length`
-  (see `hf_polybasic.cache` for why `crop` cannot be used). Tested by the sliding-window greedy
-  equality tests.
-* `streamer_of_calling_generate`: reads the local variable ``streamer`` of the
-  `GenerationMixin.generate` frame that called a `custom_generate` callable, because transformers
-  5.23 never passes the streamer to such callables (it calls ``streamer.put(prompt)`` and then
-  drops it, so a `TextIteratorStreamer` would wait forever). Tested by the streamer tests.
-* `prepared_pad_token_id`: `GenerationConfig._pad_token_tensor`, the pad id `generate` settled on
-  (it falls back to EOS). Tested by the batch tests.
-* `mark_as_user_config`: clears `GenerationConfig._from_model_config`, without which transformers
-  drops custom entries on reload. Tested by the save/reload test.
-* `is_stateful`: `PreTrainedModel._is_stateful` (recurrent models). Tested by the error tests.
+Nothing else in the package reads a private attribute of transformers or relies on behaviour that
+changed between releases; the functions below say which internal they touch and why. Grouped by
+topic:
+
+* caches: `new_dynamic_cache`, `is_dynamic_cache`, `unrollable_layer`, `record_past_states`,
+  `remove_last_tokens`, `restrict_sliding_layers` (cache layer classes and their ``keys``,
+  ``values``, ``cumulative_length``, ``is_initialized`` fields; ``crop``'s argument);
+* models: `accepts_logits_to_keep`, `is_stateful`;
+* generate: `streamer_of_calling_generate` (the caller's frame), `prepared_pad_token_id`
+  (``GenerationConfig._pad_token_tensor``), `mark_as_user_config` (``_from_model_config``);
+* logits processors: `shift_positions` (the attributes that hold absolute positions),
+  `decoding_processors` and `resolved_decoding` (the processors and defaults `generate` builds, for
+  the planner, which scores without calling `generate`).
+
+Tests: ``tests/test_compat.py`` checks each function against the behaviour it stands for; the
+greedy-equality tests (sliding windows), streamer, batch and save/reload tests cover the rest.
 """
 
 from __future__ import annotations
 
+import copy
+import functools
+import inspect
 import sys
 import warnings
+from collections.abc import Mapping
+from typing import Any
 
+import torch
 import transformers
 from packaging.version import Version
-from transformers.cache_utils import DynamicSlidingWindowLayer
+from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
+from transformers.generation import logits_process as lp
 
 TESTED_TRANSFORMERS = (Version("5.23.0"), Version("5.24.0"))  # [low, high)
 TRANSFORMERS_VERSION = Version(transformers.__version__)
@@ -47,26 +58,103 @@ def warn_if_untested() -> None:
         )
 
 
-def trim_sliding_layer_tail(layer: DynamicSlidingWindowLayer, tokens_to_remove: int) -> None:
-    """Drop the last ``tokens_to_remove`` states of a past-recording sliding layer, keeping the rest."""
-    if tokens_to_remove <= 0 or not layer.is_initialized:
+# --- caches -----------------------------------------------------------------------------------------
+try:  # transformers >= 5.12 (indexed layers of DeepSeek-style sparse attention)
+    from transformers.cache_utils import DynamicIndexedLayer
+
+    ROLLBACK_LAYER_TYPES: tuple[type, ...] = (DynamicLayer, DynamicSlidingWindowLayer, DynamicIndexedLayer)
+except ImportError:  # pragma: no cover - older releases
+    ROLLBACK_LAYER_TYPES = (DynamicLayer, DynamicSlidingWindowLayer)
+
+
+def new_dynamic_cache(model: torch.nn.Module) -> DynamicCache:
+    """A fresh `DynamicCache` laid out for ``model`` (sliding layers where its config says so)."""
+    return DynamicCache(config=model.config.get_text_config(decoder=True))
+
+
+def is_dynamic_cache(cache) -> bool:
+    """Exactly a `DynamicCache` (subclasses such as quantized caches cannot be cut token by token)."""
+    return type(cache) is DynamicCache
+
+
+def unrollable_layer(cache) -> tuple[int, str] | None:
+    """(index, class name) of the first layer whose state cannot be cut back (recurrent or linear
+    attention), or None."""
+    for index, layer in enumerate(cache.layers):
+        if type(layer) not in ROLLBACK_LAYER_TYPES:
+            return index, type(layer).__name__
+    return None
+
+
+def record_past_states(cache) -> None:
+    """Make sliding-window layers keep the states that leave their window until `restrict_sliding_layers`,
+    so a rollback can reach back across several rounds (transformers' ``activate_past_recording``)."""
+    cache.activate_past_recording()
+
+
+def remove_last_tokens(cache, count: int) -> None:
+    """Drop the last ``count`` tokens of every layer; sliding layers keep their recorded past.
+
+    Full layers use the public ``crop(-count)``. A sliding layer is trimmed by hand
+    (``keys``/``values``/``cumulative_length``), because its ``crop`` also restricts it to the window,
+    after which an intermediate level could no longer roll back over several rounds.
+    """
+    if count <= 0:
+        return
+    for layer in cache.layers:
+        if isinstance(layer, DynamicSlidingWindowLayer):
+            _trim_sliding_layer_tail(layer, count)
+        else:
+            layer.crop(-count)
+
+
+def _trim_sliding_layer_tail(layer: DynamicSlidingWindowLayer, count: int) -> None:
+    if not layer.is_initialized:
         return
     stored = layer.keys.shape[-2]
-    if tokens_to_remove > stored:
+    if count > stored:
         raise RuntimeError(
-            f"cannot roll back {tokens_to_remove} tokens of a sliding-window layer that stores {stored}; "
+            f"cannot roll back {count} tokens of a sliding-window layer that stores {stored}; "
             "this is a bug in hf_polybasic (past recording should have kept them)"
         )
-    layer.keys = layer.keys[..., :-tokens_to_remove, :]
-    layer.values = layer.values[..., :-tokens_to_remove, :]
-    layer.cumulative_length -= tokens_to_remove
+    layer.keys = layer.keys[..., :-count, :]
+    layer.values = layer.values[..., :-count, :]
+    layer.cumulative_length -= count
 
 
+def restrict_sliding_layers(cache) -> None:
+    """Let sliding layers drop the states outside their window (``crop(0)``; skipped on a layer that
+    never saw a token, where 5.23's ``crop(0)`` fails)."""
+    for layer in cache.layers:
+        if isinstance(layer, DynamicSlidingWindowLayer) and layer.is_initialized:
+            layer.crop(0)
+
+
+# --- models -----------------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=None)
+def _forward_takes_logits_to_keep(model_class: type) -> bool:
+    return "logits_to_keep" in inspect.signature(model_class.forward).parameters
+
+
+def accepts_logits_to_keep(model: torch.nn.Module) -> bool:
+    """Whether ``model.forward`` can compute logits for the last positions only."""
+    return _forward_takes_logits_to_keep(type(model))
+
+
+def is_stateful(model) -> bool:
+    """Whether transformers marks the model as carrying recurrent state that cannot be rolled back
+    (``PreTrainedModel._is_stateful``)."""
+    return bool(getattr(model, "_is_stateful", False))
+
+
+# --- generate -------------------------------------------------------------------------------------
 def streamer_of_calling_generate(max_depth: int = 6):
     """The ``streamer`` argument of the `generate` call that invoked our `custom_generate`, or None.
 
-    Walks up a few frames (decorators such as ``torch.no_grad`` add some) to the nearest
-    `GenerationMixin.generate` frame.
+    transformers 5.23 calls ``streamer.put(prompt)`` and then never passes the streamer to a
+    `custom_generate` callable (a `TextIteratorStreamer` would wait forever). This walks up a few
+    frames (decorators such as ``torch.no_grad`` add some) to the nearest `GenerationMixin.generate`
+    frame and reads its local variable.
     """
     frame = sys._getframe(1)
     for _ in range(max_depth):
@@ -79,16 +167,74 @@ def streamer_of_calling_generate(max_depth: int = 6):
 
 
 def prepared_pad_token_id(generation_config):
-    """The pad id `generate` prepared (a tensor or None), else the configured one."""
+    """The pad id `generate` settled on (``_pad_token_tensor``, which falls back to EOS), else the
+    configured one."""
     prepared = getattr(generation_config, "_pad_token_tensor", None)
     return prepared if prepared is not None else generation_config.pad_token_id
 
 
 def mark_as_user_config(generation_config) -> None:
-    """Make transformers keep custom entries of this generation config when it is reloaded."""
+    """Make transformers keep custom entries of this generation config when it is reloaded (it drops
+    them from a config marked ``_from_model_config``)."""
     generation_config._from_model_config = False
 
 
-def is_stateful(model) -> bool:
-    """Whether transformers marks the model as carrying recurrent state that cannot be rolled back."""
-    return bool(getattr(model, "_is_stateful", False))
+# --- logits processors ------------------------------------------------------------------------------
+# Processors that count positions from the start of the padded batch `generate` saw, with the
+# attribute holding the position. A row decoded without its left padding shifts them, so that the
+# number of *new* tokens they allow is the batch's (`min_new_tokens` becomes `min_length` there,
+# `forced_eos_token_id` fires at `max_length - 1`).
+POSITION_ATTRIBUTES: dict[type, str] = {
+    lp.MinLengthLogitsProcessor: "min_length",
+    lp.MinNewTokensLengthLogitsProcessor: "prompt_length_to_skip",
+    lp.ExponentialDecayLengthPenalty: "regulation_start",
+    lp.SuppressTokensAtBeginLogitsProcessor: "begin_index",
+    lp.ForcedEOSTokenLogitsProcessor: "max_length",
+}
+
+
+def shift_positions(processor: lp.LogitsProcessor, shift: int) -> lp.LogitsProcessor:
+    """``processor`` with its absolute positions moved ``shift`` tokens earlier (a copy), or itself
+    when it counts none."""
+    attribute = POSITION_ATTRIBUTES.get(type(processor))
+    if attribute is None or shift == 0:
+        return processor
+    shifted = copy.copy(processor)
+    setattr(shifted, attribute, getattr(processor, attribute) - shift)
+    return shifted
+
+
+# transformers' values for options that neither the call nor the model's generation config sets
+DECODING_DEFAULTS = {"temperature": 1.0, "top_k": 50, "top_p": 1.0, "min_p": None, "repetition_penalty": 1.0}
+
+
+def resolved_decoding(target, **options) -> dict[str, Any]:
+    """The decoding settings as `generate` resolves them: the call's value, else the target's
+    generation config, else transformers' default (e.g. top_k=50 when sampling)."""
+    config = getattr(target, "generation_config", None)
+    do_sample = options.get("do_sample")
+    resolved = {"do_sample": bool(getattr(config, "do_sample", False) if do_sample is None else do_sample)}
+    for name, default in DECODING_DEFAULTS.items():
+        value = options.get(name)
+        if value is None:
+            value = getattr(config, name, None)
+        resolved[name] = default if value is None else value
+    return resolved
+
+
+def decoding_processors(decoding: Mapping[str, Any]) -> lp.LogitsProcessorList:
+    """The logits processors `generate` builds for these options, in its order (repetition penalty,
+    then the sampling warpers: temperature, top-k, top-p, min-p)."""
+    processors = lp.LogitsProcessorList()
+    if decoding.get("repetition_penalty") not in (None, 1.0):
+        processors.append(lp.RepetitionPenaltyLogitsProcessor(decoding["repetition_penalty"]))
+    if decoding.get("do_sample"):
+        if decoding.get("temperature") not in (None, 1.0):
+            processors.append(lp.TemperatureLogitsWarper(decoding["temperature"]))
+        if decoding.get("top_k") not in (None, 0):
+            processors.append(lp.TopKLogitsWarper(top_k=decoding["top_k"], min_tokens_to_keep=1))
+        if decoding.get("top_p") is not None and decoding["top_p"] < 1.0:
+            processors.append(lp.TopPLogitsWarper(top_p=decoding["top_p"], min_tokens_to_keep=1))
+        if decoding.get("min_p") is not None:
+            processors.append(lp.MinPLogitsWarper(min_p=decoding["min_p"], min_tokens_to_keep=1))
+    return processors

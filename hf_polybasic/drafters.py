@@ -12,11 +12,8 @@ token equals it, which leaves the output distribution untouched.
 from __future__ import annotations
 
 import abc
-import time
 
 import torch
-from .chain import ChainLevel, length_through_eos
-from .stats import LevelStats
 
 
 class Drafter(abc.ABC):
@@ -80,78 +77,3 @@ class PromptLookup(Drafter):
                 start = int(hits[-1]) + n
                 return ids[start : start + limit], None
         return ids[:0], None
-
-
-PROBABILITY_SUM_TOLERANCE = 1e-3
-
-
-def _check_proposal(name: str, tokens: torch.LongTensor, log_probs: torch.Tensor) -> None:
-    """Raise unless ``log_probs`` [k, V] can be the distributions ``tokens`` [k] were drawn from:
-    finite or -inf, each row summing to 1, and every proposed token with probability > 0 (a token
-    reported with probability 0 cannot have been drawn, and losslessness rests on that)."""
-    if log_probs.dim() != 2 or log_probs.shape[0] != tokens.shape[0]:
-        raise ValueError(
-            f"{name}.propose must return log_probs of shape [k, V] for k = {tokens.shape[0]} tokens "
-            f"(or None for deterministic drafts), got shape {tuple(log_probs.shape)}"
-        )
-    if tokens.numel() == 0:
-        return
-    values = log_probs.detach().double()
-    if bool(torch.isnan(values).any()) or bool((values == float("inf")).any()):
-        raise ValueError(f"{name}.propose returned log_probs with NaN or +inf; they must be log-probabilities")
-    sums = values.exp().sum(-1)
-    off = (sums - 1).abs() > PROBABILITY_SUM_TOLERANCE
-    if bool(off.any()):
-        row = int(off.nonzero()[0])
-        raise ValueError(
-            f"{name}.propose returned log_probs whose probabilities do not sum to 1 (row {row} sums to "
-            f"{float(sums[row]):.4g}); return the log-probabilities of the distribution each token was drawn from"
-        )
-    width = values.shape[1]
-    inside = tokens.to(values.device) < width
-    picked = values.gather(1, tokens.to(values.device).clamp(max=width - 1).unsqueeze(1)).squeeze(1)
-    impossible = ~inside | (picked == float("-inf"))
-    if bool(impossible.any()):
-        position = int(impossible.nonzero()[0])
-        raise ValueError(
-            f"{name}.propose reported probability 0 for the token it proposed at position {position} "
-            f"(id {int(tokens[position])}); a proposal must be the distribution the token was drawn from"
-        )
-
-
-class DrafterLevel(ChainLevel):
-    """Adapts a `Drafter` to the chain's candidate-generator protocol (see `hf_polybasic.chain`)."""
-
-    def __init__(self, drafter: Drafter, eos_token_ids: frozenset[int], stats: LevelStats):
-        self.drafter = drafter
-        self.eos_token_ids = eos_token_ids
-        self.stats = stats
-
-    def get_candidates(self, input_ids: torch.LongTensor, max_new_tokens: int | None = None):
-        started = time.perf_counter()
-        limit = max_new_tokens if max_new_tokens is not None else 1 << 30
-        self._prefix_length = input_ids.shape[1]
-        tokens, log_probs = self.drafter.propose(input_ids, limit)
-        tokens, log_probs = self._checked(tokens, log_probs, limit)
-        keep = length_through_eos(tokens, self.eos_token_ids)  # nothing after an EOS can be accepted
-        tokens, log_probs = tokens[:keep], None if log_probs is None else log_probs[:keep]
-        self.stats.proposed += tokens.shape[0]
-        self.stats.seconds += time.perf_counter() - started
-        candidates = torch.cat([input_ids, tokens.to(input_ids.device).unsqueeze(0)], dim=1)
-        return candidates, None if log_probs is None else log_probs.unsqueeze(0)
-
-    def _checked(self, tokens, log_probs, limit: int):
-        name = type(self.drafter).__name__
-        if not isinstance(tokens, torch.Tensor) or tokens.dim() != 1 or tokens.dtype != torch.long:
-            raise TypeError(f"{name}.propose must return a 1-D LongTensor of token ids, got {tokens!r}")
-        if tokens.shape[0] > limit:
-            raise ValueError(f"{name}.propose returned {tokens.shape[0]} tokens but max_new_tokens was {limit}")
-        if log_probs is not None:
-            _check_proposal(name, tokens, log_probs)
-        return tokens, log_probs
-
-    def rollback_to(self, length: int) -> None:
-        self.drafter.rollback_to(length)
-
-    def commit(self) -> None:
-        self.drafter.commit()

@@ -1,77 +1,31 @@
-"""The decode loop: build a chain for one row, run the target's verification rounds, stop exactly.
+"""The decode loop: the target's verifications, emission and stopping, row by row.
 
-The target is the top `VerifyingLevel`; each call of `verify_round` is one target forward pass over
-the block the chain below produced. Emitted tokens are checked against the stopping criteria one by
-one, so EOS, `stop_strings` and custom criteria stop generation at the same token as plain
-`generate`, even in the middle of a block; the length budget is never exceeded because no level
-drafts past it.
+The target is the top `hf_polybasic.chain.Verifier`; each `verify` is one target forward pass over
+the proposal the chain below produced. This module is the only place tokens are emitted and
+stopping is decided: emitted tokens are checked against the stopping criteria one by one, so EOS,
+`stop_strings` and custom criteria stop generation at the same token as plain `generate`, even in
+the middle of a round, and the length budget is never exceeded because no level proposes past it.
+After every round each cache holds exactly the output minus its last token (transformers'
+convention), so a returned ``past_key_values`` can be continued.
+
+Batches are decoded row by row (`decode_rows`), each row exactly as if it had been generated
+alone: without its left padding, with the processors shifted accordingly.
 """
 
 from __future__ import annotations
 
-import time
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
-from transformers.generation import StoppingCriteriaList
+from transformers.generation import LogitsProcessorList, StoppingCriteriaList
 
-from .cache import CachedModel, model_label, new_cache
-from .config import MAX_BLOCK_THRESHOLD, MAX_DRAFT_TOKENS, PolybasicConfig
-from .drafters import Drafter, DrafterLevel
-from .chain import DecodingRules, ModelDrafter, VerifyingLevel
-from .schedule import ProposalSchedule
-from .stats import LevelStats, PolybasicStats
-
-
-def build_chain(
-    target: torch.nn.Module,
-    assistant_models: Sequence[torch.nn.Module],
-    config: PolybasicConfig,
-    rules: DecodingRules,
-    target_cache,
-) -> tuple[VerifyingLevel, PolybasicStats]:
-    """The recursive chain M1 > M2 > ... > Mn with a fresh cache for every assistant model.
-
-    The bottom is a `ModelDrafter` (K autoregressive drafts) or, for a `Drafter`, a `DrafterLevel`.
-
-    ``target_cache`` is the target's cache (None when ``use_cache=False``).
-    """
-    names = [
-        f"M{i + 1} {repr(m) if isinstance(m, Drafter) else model_label(m)}"
-        for i, m in enumerate([target, *assistant_models])
-    ]
-    roles = ["target"] + ["intermediate"] * (len(assistant_models) - 1) + ["drafter"]
-    stats = PolybasicStats(levels=[LevelStats(name=name, role=role) for name, role in zip(names, roles)])
-
-    vocab = target.config.get_text_config(decoder=True).vocab_size
-    greedy_intermediates = config.verification == "greedy"
-    bottom = assistant_models[-1]
-    if isinstance(bottom, Drafter):
-        level = DrafterLevel(bottom, rules.eos_token_ids, stats.levels[-1])
-    else:
-        level = ModelDrafter(
-            CachedModel(bottom, new_cache(bottom), role=f"assistant_models[{len(assistant_models) - 1}] ({names[-1]})", vocab_limit=vocab),
-            rules,
-            config.num_draft_tokens,
-            stats.levels[-1],
-            # below a greedy intermediate level, sampled drafts would only lower its acceptance
-            greedy_drafts=greedy_intermediates and len(assistant_models) > 1,
-            schedule=ProposalSchedule(config.schedule, config.num_draft_tokens, MAX_DRAFT_TOKENS, stops_early=True),
-        )
-    thresholds = config.thresholds_for(len(assistant_models) - 1)
-    for index in range(len(assistant_models) - 2, -1, -1):  # intermediate levels, bottom-up
-        model = assistant_models[index]
-        level = VerifyingLevel(
-            CachedModel(model, new_cache(model), role=f"assistant_models[{index}] ({names[index + 1]})", vocab_limit=vocab),
-            level,
-            rules,
-            stats.levels[index + 1],
-            greedy_proposals=greedy_intermediates,
-            schedule=ProposalSchedule(config.schedule, thresholds[index], MAX_BLOCK_THRESHOLD),
-        )
-    top = VerifyingLevel(CachedModel(target, target_cache, role=f"target {names[0]}"), level, rules, stats.levels[0])
-    return top, stats
+from .chain import ChainParts, Verifier, build_chain
+from .drafters import Drafter
+from .processing import DecodingRules, processors_for_row
+from .request import Request
+from .stats import PolybasicStats
+from .timing import DEFAULT_CLOCK, Clock, timed
+from .vocabulary import warn_if_levels_disagree
 
 
 @dataclass
@@ -84,48 +38,58 @@ class RowResult:
 
 
 def decode_row(
-    top: VerifyingLevel,
-    prompt: torch.LongTensor,
-    max_length: int,
-    stopping_criteria: StoppingCriteriaList,
-    streamer=None,
-    keep_scores: bool = False,
-    keep_logits: bool = False,
+    top: Verifier, prompt: torch.LongTensor, max_length: int, stopping_criteria: StoppingCriteriaList, request: Request
 ) -> RowResult:
-    """Generate after ``prompt`` ([1, L]) until a stopping criterion fires or ``max_length``."""
+    """Generate after ``prompt`` ``[L]`` until a stopping criterion fires or ``max_length`` tokens."""
     sequence = prompt
     result = RowResult(tokens=prompt.new_empty(0))
     finished = False
-    while not finished and sequence.shape[1] < max_length:
-        round_ = top.verify_round(sequence, max_length - sequence.shape[1])
+    while not finished and sequence.shape[0] < max_length:
+        round_ = top.verify(sequence, max_length - sequence.shape[0])
         keep = round_.tokens.shape[0]
         for j in range(keep):
-            grown = torch.cat([sequence, round_.tokens[: j + 1].unsqueeze(0)], dim=1)
+            grown = torch.cat([sequence, round_.tokens[: j + 1]]).unsqueeze(0)
             if bool(stopping_criteria(grown, round_.scores[j : j + 1]).any()):
                 keep, finished = j + 1, True
                 break
-        tokens = round_.tokens[:keep]
-        sequence = torch.cat([sequence, tokens.unsqueeze(0)], dim=1)
+        sequence = torch.cat([sequence, round_.tokens[:keep]])
         # a stop inside the round leaves accepted drafts past the output in the caches: cut them, so
-        # every cache holds the output minus its last token (transformers' convention) when committed
-        top.rollback_to(sequence.shape[1] - 1)
+        # every cache holds the output minus its last token when committed
+        top.rollback_to(sequence.shape[0] - 1)
         top.commit()
-        if streamer is not None:
-            streamer.put(tokens.cpu())
-        if keep_scores:
+        if request.streamer is not None:
+            request.streamer.put(round_.tokens[:keep].cpu())
+        if request.keep_scores:
             result.scores.extend(round_.scores[:keep].unbind(0))
-        if keep_logits:
+        if request.keep_logits:
             result.logits.extend(round_.logits[:keep].unbind(0))
-    result.tokens = sequence[0, prompt.shape[1] :]
+    result.tokens = sequence[prompt.shape[0] :]
     return result
 
 
-def timed_decode(
-    top: VerifyingLevel, stats: PolybasicStats, prompt: torch.LongTensor, **kwargs
-) -> RowResult:
-    """`decode_row`, filling the call-level fields of ``stats``."""
-    started = time.perf_counter()
-    result = decode_row(top, prompt, **kwargs)
-    stats.seconds = time.perf_counter() - started
-    stats.new_tokens = int(result.tokens.shape[0])
-    return result
+def decode_rows(
+    target: torch.nn.Module,
+    request: Request,
+    processors: LogitsProcessorList,
+    stopping_criteria: StoppingCriteriaList,
+    parts: ChainParts = ChainParts(),
+    clock: Clock = DEFAULT_CLOCK,
+) -> tuple[list[RowResult], PolybasicStats]:
+    """Decode each row with a chain of its own; the rows' results and their summed statistics."""
+    results, total = [], None
+    warned = False  # about levels that disagree: once per call
+    is_model = [True] + [not isinstance(m, Drafter) for m in request.assistants]
+    for row, cache in zip(request.rows, request.caches):
+        removed_padding = request.padded_width - row.shape[0]
+        rules = DecodingRules(processors_for_row(processors, removed_padding), request.do_sample, request.eos_token_ids)
+        top, stats = build_chain(target, request.assistants, request.config, rules, cache, parts, clock)
+        with timed(clock) as span:
+            result = decode_row(top, row, request.max_length - removed_padding, stopping_criteria, request)
+        stats.seconds, stats.new_tokens = span.seconds, int(result.tokens.shape[0])
+        results.append(result)
+        warned = warned or warn_if_levels_disagree(stats, is_model)
+        if total is None:
+            total = stats
+        else:
+            total.merge(stats)
+    return results, total

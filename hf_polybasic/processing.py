@@ -8,10 +8,27 @@ processed with ``sequence[:, :start + j]``, exactly as `_sample` would have seen
 
 from __future__ import annotations
 
-import copy
+from dataclasses import dataclass
 
 import torch
 from transformers.generation import logits_process as lp
+
+from .compat import shift_positions
+
+@dataclass(frozen=True)
+class DecodingRules:
+    """What every level of a chain shares: the prepared processors and how tokens are chosen.
+
+    Attributes:
+        processors: the `LogitsProcessorList` `generate` prepared for the target (for one row).
+        do_sample: draw tokens (True) or take the argmax (False).
+        eos_token_ids: ids that end generation; proposals end right after one.
+    """
+
+    processors: lp.LogitsProcessorList
+    do_sample: bool
+    eos_token_ids: frozenset[int]
+
 
 # Processors whose output for a row depends on that row's scores only, never on input_ids. They are
 # applied to all positions of a block in one call instead of one call per position.
@@ -36,31 +53,12 @@ STATEFUL_PROCESSORS: tuple[type, ...] = (
 )
 
 
-# Processors that count positions from the start of the padded batch `generate` saw, with the
-# attribute holding the position. A row decoded without its left padding shifts them, so that the
-# number of *new* tokens they allow is the batch's (`min_new_tokens` becomes `min_length` there,
-# `forced_eos_token_id` fires at `max_length - 1`).
-POSITION_ATTRIBUTES: dict[type, str] = {
-    lp.MinLengthLogitsProcessor: "min_length",
-    lp.MinNewTokensLengthLogitsProcessor: "prompt_length_to_skip",
-    lp.ExponentialDecayLengthPenalty: "regulation_start",
-    lp.SuppressTokensAtBeginLogitsProcessor: "begin_index",
-    lp.ForcedEOSTokenLogitsProcessor: "max_length",
-}
-
-
 def processors_for_row(processors: lp.LogitsProcessorList, removed_padding: int) -> lp.LogitsProcessorList:
-    """The processors for one row of a batch, ``removed_padding`` left-padding tokens shorter."""
+    """The processors for one row of a batch, ``removed_padding`` left-padding tokens shorter
+    (processors that count absolute positions are shifted, see `compat.shift_positions`)."""
     if removed_padding == 0:
         return processors
-    shifted = lp.LogitsProcessorList()
-    for processor in processors:
-        attribute = POSITION_ATTRIBUTES.get(type(processor))
-        if attribute is not None:
-            processor = copy.copy(processor)
-            setattr(processor, attribute, getattr(processor, attribute) - removed_padding)
-        shifted.append(processor)
-    return shifted
+    return lp.LogitsProcessorList(shift_positions(processor, removed_padding) for processor in processors)
 
 
 def reject_stateful_processors(processors: lp.LogitsProcessorList) -> None:
@@ -78,19 +76,18 @@ def process_positions(
 ) -> torch.Tensor:
     """Processed scores for consecutive positions.
 
-    sequence: [1, >= start + m - 1] token ids; logits: [m, V] float raw logits, where row j
-    predicts the token after ``sequence[:, :start + j]``. Returns [m, V].
+    sequence: [>= start + m - 1] token ids; logits: [m, V] float raw logits, where row j predicts
+    the token after ``sequence[:start + j]``. Returns [m, V].
     """
     if not processors:
         return logits
     scores = logits.clone()  # user processors may work in place; raw logits are reported as they were
     num_positions = scores.shape[0]
+    prefix = sequence.unsqueeze(0)  # processors take a batch of one
     for processor in processors:
         if isinstance(processor, PREFIX_FREE_PROCESSORS):
             # input_ids is ignored by these; give it a matching batch dimension anyway
-            scores = processor(sequence[:, :start].expand(num_positions, -1), scores)
+            scores = processor(prefix[:, :start].expand(num_positions, -1), scores)
         else:
-            scores = torch.cat(
-                [processor(sequence[:, : start + j], scores[j : j + 1]) for j in range(num_positions)], dim=0
-            )
+            scores = torch.cat([processor(prefix[:, : start + j], scores[j : j + 1]) for j in range(num_positions)], dim=0)
     return scores

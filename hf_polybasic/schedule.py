@@ -11,7 +11,7 @@ proposal. Three kinds:
   from a running (exponentially decayed) estimate of the per-token acceptance rate alpha and the
   measured cost ratio c = (seconds per proposed token, this level and everything below) /
   (seconds of one parent verification): Leviathan et al.'s optimal draft length
-  (`hf_polybasic.theory.optimal_draft_length`), recomputed after every verification. A model
+  (`optimal_length`), recomputed after every verification. A model
   drafter also stops early, token by token (`keep_drafting`): the next draft token is worth its
   cost c only if the draft so far is likely to survive, so drafting goes on while the estimated
   survival probability of the whole draft (the drafter's probabilities of its tokens, calibrated
@@ -30,7 +30,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .theory import optimal_draft_length
 
 SCHEDULES = ("constant", "heuristic", "cost_aware")
 
@@ -152,6 +151,20 @@ def acceptance_rate_estimate(accepted: float, rejections: float) -> float:
     return (accepted + 1.0) / (accepted + rejections + 2.0)
 
 
+def optimal_length(acceptance_rate: float, cost_ratio: float, maximum: int) -> int:
+    """Leviathan et al.'s optimal draft length in 0..maximum: the gamma that maximises
+    (1 - alpha^(gamma+1)) / ((1 - alpha) (gamma c + 1)); ties go to the shorter draft.
+    (`hf_polybasic.planning.theory.optimal_draft_length` is the same, for arrays.)"""
+    best, best_value, tokens, power = 0, 1.0, 1.0, 1.0
+    for gamma in range(1, maximum + 1):
+        power *= acceptance_rate
+        tokens += power
+        value = tokens / (gamma * cost_ratio + 1)
+        if value > best_value:
+            best, best_value = gamma, value
+    return best
+
+
 def cost_aware_length(
     acceptance_rate: float, seconds_per_proposed_token: float, seconds_per_verification: float, maximum: int
 ) -> int:
@@ -164,5 +177,4 @@ def cost_aware_length(
     if seconds_per_verification <= 0:
         return maximum
     ratio = max(seconds_per_proposed_token / seconds_per_verification, 1e-9)
-    best = int(optimal_draft_length(min(acceptance_rate, 0.999), ratio, max_draft_length=maximum))
-    return max(1, best)
+    return max(1, optimal_length(min(acceptance_rate, 0.999), ratio, maximum))

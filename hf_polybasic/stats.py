@@ -8,7 +8,11 @@ mean over the verifications of model M_i. `acceptance_rate` is accepted / drafte
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
+
+from .timing import DEFAULT_CLOCK, Clock, Span, timed
 
 
 @dataclass
@@ -38,6 +42,14 @@ class LevelStats:
     accepted: int = 0
     acceptance_lengths: list[int] = field(default_factory=list)
     proposed: int = 0
+
+    @contextmanager
+    def timed(self, clock: Clock = DEFAULT_CLOCK) -> Iterator[Span]:
+        """Time this level's own work: the block's seconds are added to `seconds` (and left in the
+        span for the schedule)."""
+        with timed(clock) as span:
+            yield span
+        self.seconds += span.seconds
 
     def record_verification(self, num_drafted: int, num_accepted: int) -> None:
         self.verifications += 1

@@ -58,8 +58,9 @@ def exact_distribution(setting: str) -> np.ndarray:
     return joint.reshape(-1)
 
 
-def sample_counts(setting: str, assistants, seed: int, **config) -> np.ndarray:
-    """Histogram over the 512 outcomes of SAMPLES continuations sampled through the chain."""
+def sample_counts(setting: str, assistants, seed: int, generate=hp.generate, **config) -> np.ndarray:
+    """Histogram over the 512 outcomes of SAMPLES continuations sampled through the chain
+    (``generate``: the `custom_generate` callable, e.g. one built from deliberately wrong parts)."""
     target = models()[0]
     ids = prompt(3, seed=5, vocab=VOCAB)
     torch.manual_seed(seed)
@@ -68,7 +69,7 @@ def sample_counts(setting: str, assistants, seed: int, **config) -> np.ndarray:
         do_sample=True,
         max_new_tokens=STEPS,
         num_return_sequences=SAMPLES,
-        custom_generate=hp.generate,
+        custom_generate=generate,
         assistant_models=list(assistants),
         polybasic_config=hp.PolybasicConfig(**config),
         **SETTINGS[setting],

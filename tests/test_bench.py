@@ -1,4 +1,4 @@
-"""The benchmark harness (hf_polybasic.bench) end to end on tiny random models, plus its formulas."""
+"""The benchmark harness (hf_polybasic.tools.bench) end to end on tiny random models, plus its formulas."""
 
 from __future__ import annotations
 
@@ -11,19 +11,13 @@ import pytest
 import torch
 from transformers import GenerationMixin
 
-from hf_polybasic.bench import BenchSettings, Method, rebuild_report, run_benchmark, speedup
-from hf_polybasic.bench import cli as bench_cli
-from hf_polybasic.bench import methods as bench_methods
-from hf_polybasic.bench import prompts
-from hf_polybasic.bench.report import question_speeds, summarise
-from hf_polybasic.bench.runner import (
-    DECODINGS,
-    RssSampler,
-    first_difference,
-    messages_for,
-    question_seed,
-    read_records,
-)
+from hf_polybasic.tools.bench import BenchSettings, Method, rebuild_report, run_benchmark, speedup
+from hf_polybasic.tools.bench import cli as bench_cli
+from hf_polybasic.tools.bench import methods as bench_methods
+from hf_polybasic.tools.bench import prompts
+from hf_polybasic.tools.bench.report import first_difference, question_speeds, summarise
+from hf_polybasic.tools.bench.runner import DECODINGS, messages_for, question_seed, read_records
+from hf_polybasic.tools.harness import RssSampler
 
 pytest.importorskip("matplotlib")
 pytest.importorskip("psutil")

@@ -1,6 +1,6 @@
 """The command line (real-model paths need downloads and are not run here)."""
 
-from hf_polybasic import cli
+from hf_polybasic.tools import cli
 
 
 def test_tiny_demo_runs_and_reports_exactness(capsys):

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from hf_polybasic import models
+from hf_polybasic.tools import models
 
 HIDDEN, FFN, LAYERS, HEADS, KV_HEADS = 32, 64, 2, 4, 2
 CHAT_TEMPLATE = (

@@ -9,18 +9,17 @@ import pytest
 import torch
 
 import hf_polybasic as hp
-from hf_polybasic import cli
+from hf_polybasic.tools import cli
 from hf_polybasic.drafters import PromptLookup
-from hf_polybasic.planner import (
+from hf_polybasic.compat import decoding_processors
+from hf_polybasic.compat import resolved_decoding
+from hf_polybasic.costs import interpolate_cost, nondecreasing
+from hf_polybasic.planning import (
     Profile,
     candidate_chains,
-    decoding_options,
-    decoding_processors,
     encode_prompt,
     expected_run_length,
     expected_verifications,
-    interpolate_cost,
-    nondecreasing,
     plan,
     predict,
     predict_time_per_token,
@@ -300,12 +299,12 @@ def test_profile_argument_errors():
 
 def test_decoding_is_resolved_as_generate_resolves_it():
     target = make_chain("llama", depth=1)[0]
-    assert decoding_options(target)["do_sample"] is False
-    sampling = decoding_options(target, do_sample=True, temperature=0.7)
+    assert resolved_decoding(target)["do_sample"] is False
+    sampling = resolved_decoding(target, do_sample=True, temperature=0.7)
     assert sampling["top_k"] == 50 and sampling["temperature"] == 0.7  # transformers' default top_k
     names = [type(p).__name__ for p in decoding_processors(sampling)]
     assert names == ["TemperatureLogitsWarper", "TopKLogitsWarper"]
-    assert len(decoding_processors(decoding_options(target))) == 0
+    assert len(decoding_processors(resolved_decoding(target))) == 0
 
 
 def test_prompts_may_be_text_chat_or_ids():

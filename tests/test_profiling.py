@@ -3,7 +3,8 @@
 import torch
 
 from hf_polybasic.drafters import Drafter, PromptLookup
-from hf_polybasic.profiling import forward_cost, greedy_agreement, markdown_table, profile_level, run_levels_table
+from hf_polybasic.costs import forward_cost
+from hf_polybasic.tools.levels_table import greedy_agreement, markdown_table, profile_level, run_levels_table
 from hf_polybasic.testing import make_target, noisy_copy, prompt
 
 

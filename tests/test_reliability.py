@@ -10,7 +10,7 @@ from transformers import DynamicCache, GenerationConfig, StoppingCriteria, Stopp
 
 import hf_polybasic as hp
 from hf_polybasic.drafters import Drafter
-from hf_polybasic.integration import _pad_token_id
+from hf_polybasic.outputs import pad_token_id
 from hf_polybasic.verify import speculative_verify
 
 # a drafter that is the target itself, so every draft is accepted and rounds are long
@@ -220,4 +220,4 @@ def test_models_that_never_agree_are_reported_not_silently_slow():
 
 # --- 5. pad fallback ----------------------------------------------------------------------------------
 def test_pad_falls_back_to_the_first_eos_id_as_in_transformers():
-    assert _pad_token_id(GenerationConfig(eos_token_id=[7, 2])) == 7
+    assert pad_token_id(GenerationConfig(eos_token_id=[7, 2])) == 7

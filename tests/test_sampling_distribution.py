@@ -22,8 +22,9 @@ from distribution import (
     sample_counts,
 )
 
-from hf_polybasic import engine
-from hf_polybasic.chain import ModelDrafter
+from hf_polybasic.chain import ChainParts
+from hf_polybasic.drafting import ModelDrafter
+from hf_polybasic.integration import make_generate
 from hf_polybasic.testing import prompt
 
 
@@ -47,15 +48,14 @@ class RawProposalDrafter(ModelDrafter):
     """The classic bug (transformers #47932): report raw logits as q although drafts were sampled
     from the processed distribution."""
 
-    @staticmethod
-    def proposal_log_probs(scores, logits):
-        return logits.log_softmax(-1)
+    def proposal_probs(self, probs, logits):
+        return logits.softmax(-1)
 
 
-def test_negative_control_raw_proposal_is_rejected(monkeypatch):
-    monkeypatch.setattr(engine, "ModelDrafter", RawProposalDrafter)
+def test_negative_control_raw_proposal_is_rejected():
+    lossy = make_generate(ChainParts(model_drafter=RawProposalDrafter))
     setting = "temperature+top_k+top_p"
-    counts = sample_counts(setting, models()[1:2], seed=2, num_draft_tokens=2)
+    counts = sample_counts(setting, models()[1:2], seed=2, generate=lossy, num_draft_tokens=2)
     assert chi_square_p_value(counts, exact_distribution(setting)) < ALPHA
 
 

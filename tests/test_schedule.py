@@ -10,8 +10,10 @@ import pytest
 import torch
 from distribution import ALPHA, chi_square_p_value, exact_distribution, models, sample_counts
 
-from hf_polybasic import engine
-from hf_polybasic.chain import ModelDrafter
+from hf_polybasic.chain import ChainParts
+from hf_polybasic.drafting import ModelDrafter
+from hf_polybasic.integration import make_generate
+from hf_polybasic.protocol import Proposal
 from hf_polybasic.config import PolybasicConfig
 from hf_polybasic.schedule import ProposalSchedule, acceptance_rate_estimate, cost_aware_length
 from hf_polybasic.testing import make_chain, prompt
@@ -83,22 +85,18 @@ class PeekingDrafter(ModelDrafter):
     """Chooses its length after drafting: drops a trailing draft whose own probability is low.
     (transformers' confidence stop keeps that token, which is why it stays exact.)"""
 
-    def get_candidates(self, input_ids, max_new_tokens=None):
-        sequence, log_probs = super().get_candidates(input_ids, max_new_tokens)
-        while log_probs is not None and sequence.shape[1] > input_ids.shape[1]:
-            last = log_probs[0, -1, sequence[0, -1]].exp()
-            if last >= 0.25:
-                break
-            sequence, log_probs = sequence[:, :-1], log_probs[:, :-1]
-        if log_probs is not None and log_probs.shape[1] == 0:
-            log_probs = None
-        return sequence, log_probs
+    def propose(self, sequence, budget):
+        proposal = super().propose(sequence, budget)
+        tokens, probs = proposal.tokens, proposal.probs
+        while probs is not None and tokens.shape[0] and probs[-1, tokens[-1]] < 0.25:
+            tokens, probs = tokens[:-1], probs[:-1]
+        return Proposal(tokens, probs)
 
 
-def test_negative_control_length_chosen_after_drafting_is_rejected(monkeypatch):
-    monkeypatch.setattr(engine, "ModelDrafter", PeekingDrafter)
+def test_negative_control_length_chosen_after_drafting_is_rejected():
+    lossy = make_generate(ChainParts(model_drafter=PeekingDrafter))
     setting = "temperature+top_k+top_p"
-    counts = sample_counts(setting, models()[1:2], seed=11, num_draft_tokens=2)
+    counts = sample_counts(setting, models()[1:2], seed=11, generate=lossy, num_draft_tokens=2)
     assert chi_square_p_value(counts, exact_distribution(setting)) < ALPHA
 
 

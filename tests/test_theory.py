@@ -1,4 +1,4 @@
-"""`hf_polybasic.theory` against Monte Carlo simulation, and the places where the paper's statements
+"""`hf_polybasic.planning.theory` against Monte Carlo simulation, and the places where the paper's statements
 (as we have them) do not hold exactly.
 
 Every simulation is seeded numpy. A simulated estimate must lie within Z standard errors of the
@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy.stats import chisquare
 
-from hf_polybasic import theory
+from hf_polybasic.planning import theory
 from hf_polybasic.stats import LevelStats, PolybasicStats
 from hf_polybasic.verify import speculative_verify
 

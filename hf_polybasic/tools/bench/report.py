@@ -26,12 +26,20 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from .prompts import Question
-from .runner import first_difference
 
 SUMMARY_FILE = "summary.json"
 TABLE_FILE = "results.md"
 SPEEDUP_PLOT = "speedup.png"
 OVERALL = "overall"
+
+
+def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
+    """Index of the first position where two token lists differ (a length difference counts at the
+    shorter one's end); None if they are equal."""
+    for index, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return index
+    return None if len(a) == len(b) else min(len(a), len(b))
 
 
 def speedup(method_tps: Sequence[float], baseline_tps: Sequence[float]) -> float:

@@ -17,40 +17,15 @@ import json
 import platform
 import statistics
 import sys
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
-from .cache import CachedModel, new_cache
-from .drafters import Drafter, PromptLookup
-from .levels import early_exit, quantized_copy
-
-
-@torch.no_grad()
-def forward_cost(model: torch.nn.Module, prefix: torch.LongTensor, num_tokens: int, repeats: int = 5) -> float:
-    """Median seconds of a forward pass feeding ``num_tokens`` tokens after a cached ``prefix`` ([1, L])."""
-    runner = CachedModel(model, new_cache(model), role="profiled model")
-    runner.next_token_logits(prefix, 1)  # prefill: the cache now holds the prefix
-    extra = prefix[:, -1:].repeat(1, num_tokens)
-    sequence = torch.cat([prefix, extra], dim=1)
-    times = []
-    for _ in range(repeats + 1):  # the first run warms up and is dropped
-        runner.rollback_to(prefix.shape[1])
-        _synchronize(model)
-        started = time.perf_counter()
-        runner.next_token_logits(sequence, num_tokens)
-        _synchronize(model)  # on a GPU, time the forward pass, not just its kernel launches
-        times.append(time.perf_counter() - started)
-    return statistics.median(times[1:])
-
-
-def _synchronize(model: torch.nn.Module) -> None:
-    device = next(model.parameters()).device
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+from ..costs import forward_cost
+from ..drafters import Drafter, PromptLookup
+from ..levels import early_exit, quantized_copy
 
 
 @torch.no_grad()
@@ -183,7 +158,7 @@ def run_levels_table(models_kind: str, k: int, new_tokens: int, stride: int, rep
         ]
         candidates = qwen_candidates(target, small)
     else:
-        from .testing import make_target, noisy_copy, prompt
+        from ..testing import make_target, noisy_copy, prompt
 
         target = make_target("llama", seed=0, layers=4)
         prompts = [prompt(8, seed=s) for s in range(len(PROFILE_PROMPTS))]

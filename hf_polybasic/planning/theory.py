@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Union
 import numpy as np
 
 if TYPE_CHECKING:
-    from .stats import PolybasicStats
+    from ..stats import PolybasicStats
 
 ArrayLike = Union[float, int, np.ndarray, list, tuple]
 

@@ -24,12 +24,9 @@ import hashlib
 import json
 import os
 import platform
-import resource
 import shlex
 import subprocess
 import sys
-import threading
-import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
@@ -39,7 +36,10 @@ from typing import Any
 import torch
 
 from . import prompts as prompt_sets
-from .methods import Method, MethodOptions, ModelSet, build_methods, build_model_set, needed_pool, resolve_names
+from ..harness import process_peak_rss_mib, timed_call
+from ..model_sets import ModelSet, build_model_set
+from .methods import Method, MethodOptions, build_methods, needed_pool, resolve_names
+from .report import first_difference, write_report
 
 RESULTS_FILE = "results.jsonl"
 RUN_FILE = "run.json"
@@ -50,7 +50,6 @@ DECODINGS: dict[str, dict[str, Any]] = {
     "sample-t0.7-p0.9": {"do_sample": True, "temperature": 0.7, "top_p": 0.9, "top_k": 0},
 }
 WARMUP_TOKENS = 8
-RSS_INTERVAL_S = 0.05
 
 
 @dataclass
@@ -117,81 +116,11 @@ class BenchResult:
 
 
 # ------------------------------------------------------------------------------ measurement
-class RssSampler:
-    """The process's resident set size (RSS, MiB) before and after a block, and its peak sampled
-    every ``interval`` seconds by a background thread while the block runs. RSS counts every model
-    loaded in the process, not only the method's own."""
-
-    def __init__(self, interval: float = RSS_INTERVAL_S):
-        self.interval = interval
-        self.before = self.after = self.peak = None
-        self._stop = threading.Event()
-        self._thread = None
-        try:
-            import psutil
-
-            self._process = psutil.Process()
-        except ImportError:  # pragma: no cover - psutil is part of the bench extra
-            self._process = None
-
-    def _rss(self) -> float | None:
-        return None if self._process is None else self._process.memory_info().rss / 2**20
-
-    def _sample(self) -> None:
-        while not self._stop.wait(self.interval):
-            self.peak = max(self.peak, self._rss())
-
-    def __enter__(self):
-        self.before = self.peak = self._rss()
-        if self._process is not None:
-            self._thread = threading.Thread(target=self._sample, daemon=True)
-            self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
-        self.after = self._rss()
-        if self.after is not None:
-            self.peak = max(self.peak, self.after)
-
-
-class ForwardCounter:
-    """Counts forward calls of a module (a pre-hook), e.g. the target's verification passes."""
-
-    def __init__(self, module: torch.nn.Module):
-        self.module = module
-        self.count = 0
-        self._handle = None
-
-    def _hook(self, module, args) -> None:
-        self.count += 1
-
-    def __enter__(self):
-        self.count = 0
-        self._handle = self.module.register_forward_pre_hook(self._hook)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._handle.remove()
-
-
-def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
-    """Index of the first position where two token lists differ (a length difference counts at the
-    shorter one's end); None if they are equal."""
-    for index, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return index
-    return None if len(a) == len(b) else min(len(a), len(b))
-
-
 def command_line() -> str:
-    """This process's command line, as typed (``python -m hf_polybasic.bench`` for the module)."""
+    """This process's command line, as typed (``python -m hf_polybasic.tools.bench`` for the module)."""
     program = sys.argv[0] if sys.argv else "python"
     if program.endswith("__main__.py"):
-        package = Path(program).parent.name
-        head = ["python", "-m", f"hf_polybasic.{package}" if package != "hf_polybasic" else package]
+        head = ["python", "-m", "hf_polybasic.tools.bench"]
     else:
         head = [Path(program).name]
     return shlex.join(head + sys.argv[1:])
@@ -208,7 +137,7 @@ def machine_info() -> dict:
     """CPU model, cores, memory, library versions, git commit and load at the start of the run."""
     import transformers
 
-    from .. import __version__
+    from ... import __version__
 
     cpu = platform.processor() or platform.machine()
     try:
@@ -244,7 +173,7 @@ def machine_info() -> dict:
 
 
 def _git_state() -> dict:
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[3]
     try:
         commit = subprocess.run(
             ["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10, check=True
@@ -394,10 +323,8 @@ def generate_once(
     prompt_length = inputs["input_ids"].shape[1]
     if seed is not None:
         torch.manual_seed(seed)
-    with RssSampler() as rss, ForwardCounter(model_set.target) as forwards:
-        started = time.perf_counter()
-        sequences = method.run(model_set.target, inputs, options)
-        seconds = time.perf_counter() - started
+    timing = timed_call(lambda: method.run(model_set.target, inputs, options), target=model_set.target)
+    sequences, seconds = timing.output, timing.seconds
     if not isinstance(sequences, torch.Tensor):  # a ModelOutput
         sequences = sequences.sequences
     new = sequences[0, prompt_length:].tolist()
@@ -408,13 +335,13 @@ def generate_once(
         "new_tokens": len(new),
         "seconds": seconds,
         "tokens_per_second": len(new) / seconds if seconds > 0 else None,
-        "target_forwards": forwards.count,
+        "target_forwards": timing.target_forwards,
         "output_ids": new,
         "output_text": model_set.tokenizer.decode(new, skip_special_tokens=True),
         "seed": seed,
-        "rss_before_mib": rss.before,
-        "rss_after_mib": rss.after,
-        "rss_peak_mib": rss.peak,
+        "rss_before_mib": timing.rss_before_mib,
+        "rss_after_mib": timing.rss_after_mib,
+        "rss_peak_mib": timing.rss_peak_mib,
         "levels": _level_rows(stats, method.level_labels),
     }
 
@@ -479,8 +406,6 @@ def run_benchmark(
     be given to reuse loaded models.
     """
     from tqdm.auto import tqdm
-
-    from .report import write_report
 
     if settings.threads is not None:
         torch.set_num_threads(settings.threads)
@@ -551,7 +476,7 @@ def run_benchmark(
                         bar.update(1)
     bar.close()
     run_info["finished"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
-    run_info["process_max_rss_mib"] = _max_rss_mib()
+    run_info["process_max_rss_mib"] = process_peak_rss_mib()
     run_info["units"] = {"total": len(units), "run": len(pending), "cached": units_cached}
     (out / RUN_FILE).write_text(json.dumps(run_info, indent=2) + "\n", encoding="utf-8")
 
@@ -611,12 +536,6 @@ def mismatch_detail(record, plain_record, model_set: ModelSet, messages, setting
     return detail
 
 
-def _max_rss_mib() -> float:
-    """The process's peak RSS so far (getrusage; KiB on Linux, bytes on macOS)."""
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return round(peak / (2**20 if sys.platform == "darwin" else 2**10), 1)
-
-
 @dataclass(frozen=True)
 class MethodInfo:
     """What the report needs of a method, read back from run.json (for `rebuild_report`)."""
@@ -635,8 +554,6 @@ def rebuild_report(output_dir: str | Path, settings: BenchSettings | None = None
     The run is the one described by the directory's run.json (its fingerprint, methods and
     questions); without a run.json, ``settings`` describe it (no model is loaded).
     """
-    from .report import write_report
-
     out = Path(output_dir)
     run_file = out / RUN_FILE
     if run_file.exists():

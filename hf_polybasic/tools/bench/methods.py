@@ -12,39 +12,30 @@ sequences. The factories build the methods:
 * `polybasic`: ours, ``custom_generate=hf_polybasic.generate`` with any ``assistant_models`` list
   and `PolybasicConfig`; its per-level statistics come from `hf_polybasic.last_stats`.
 
-`build_model_set` loads a target, its tokenizer and the *pool* of cheaper models the named methods
-in `RECIPES` draw on: ``"tiny"`` (random models from `hf_polybasic.testing`, for tests and CI) or
-``"qwen"`` (Qwen2.5-Coder 1.5B target; 0.5B fp32 and int8-dynamic copies and an int8-dynamic copy of
-the 1.5B in the pool). Only the pool entries the selected methods need are built.
+The methods of `RECIPES` run on a `hf_polybasic.tools.model_sets.ModelSet` and name the pool
+entries they need (`needed_pool`), so only those are built.
 """
 
 from __future__ import annotations
 
-import gc
 import hashlib
 import json
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
-import transformers
 
-from ..config import PolybasicConfig
-from ..drafters import Drafter, PromptLookup
-from ..integration import generate as polybasic_generate
-from ..integration import last_stats
-from ..levels import quantized_copy
-from ..stats import PolybasicStats
+from ...config import PolybasicConfig
+from ...drafters import Drafter, PromptLookup
+from ...integration import generate as polybasic_generate
+from ...integration import last_stats
+from ...stats import PolybasicStats
+from ..assisted import assisted_generate, assistant_settings
+from ..model_sets import ModelSet
 
 RunFn = Callable[[torch.nn.Module, dict, dict], torch.Tensor]
 
-# assistant generation-config fields that hf_assisted sets for its call and then restores
-ASSISTANT_FIELDS = ("num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold")
-
-QWEN_TARGET = "qwen2.5-coder-1.5b-instruct"
-QWEN_DRAFT = "qwen2.5-coder-0.5b-instruct"
-TARGET_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 @dataclass
@@ -108,30 +99,12 @@ def hf_assisted(
     adaptive K. ``num_assistant_tokens=None`` leaves every assistant field unset, i.e.
     transformers' defaults as a user gets them (5.23: 20 tokens, constant, confidence threshold
     0.4, adapted online only when scikit-learn is installed). The assistant's generation-config
-    fields are set for the call and restored afterwards.
+    fields are set for the call and restored afterwards (`hf_polybasic.tools.assisted`).
     """
-    if num_assistant_tokens is None:
-        settings = {}
-    else:
-        settings = {
-            "num_assistant_tokens": num_assistant_tokens,
-            "num_assistant_tokens_schedule": schedule,
-            "assistant_confidence_threshold": confidence_threshold,
-        }
+    settings = assistant_settings(num_assistant_tokens, schedule, confidence_threshold)
 
     def run(target, inputs, options):
-        config = assistant.generation_config
-        saved = {key: getattr(config, key, None) for key in ASSISTANT_FIELDS}
-        for key, value in settings.items():
-            setattr(config, key, value)
-        verbosity = transformers.logging.get_verbosity()
-        transformers.logging.set_verbosity_error()  # its per-call notice about generation_config
-        try:
-            return target.generate(**inputs, assistant_model=assistant, **options)
-        finally:
-            transformers.logging.set_verbosity(verbosity)
-            for key, value in saved.items():
-                setattr(config, key, value)
+        return assisted_generate(target, assistant, settings, **inputs, **options)
 
     if num_assistant_tokens is None:
         description = f"transformers assistant_model= {label} (transformers' defaults)"
@@ -184,32 +157,6 @@ def polybasic(
     description = f"hf_polybasic {len(chain) + 1} models: {parts}" + (f" ({shown})" if shown else "")
     spec = {"assistants": list(labels), "config": settings}
     return Method(name, "polybasic", description, spec, run, polybasic=True, level_labels=("target", *labels))
-
-
-# ------------------------------------------------------------------------------------ model sets
-@dataclass
-class ModelSet:
-    """A target, its tokenizer and the pool of cheaper models the methods draw on.
-
-    Attributes:
-        name: "tiny" or "qwen".
-        pool: built entries among "mid" (a strong, cheap copy of the target, used as an
-            intermediate), "draft" (the small drafter, int8) and "draft-fp32".
-        labels: a short human name for the target and each pool entry.
-        context_length: prompts are cut (oldest tokens first) so prompt + budget fits; None = no cut.
-        info: JSON description of the models, recorded with the results.
-        generate_options: extra ``generate`` options for every method (the tiny set ignores EOS, so
-            that every call of its random models generates the whole budget).
-    """
-
-    name: str
-    target: torch.nn.Module
-    tokenizer: Any
-    pool: dict[str, Any] = field(default_factory=dict)
-    labels: dict[str, str] = field(default_factory=dict)
-    context_length: int | None = None
-    info: dict = field(default_factory=dict)
-    generate_options: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -335,84 +282,3 @@ def needed_pool(names: Sequence[str]) -> set[str]:
 
 def build_methods(model_set: ModelSet, names: Sequence[str], options: MethodOptions) -> list[Method]:
     return [RECIPES[name].build(model_set, options) for name in resolve_names(names)]
-
-
-TINY_LABELS = {
-    "mid": "tiny-mid (noise 0.05)",
-    "draft": "tiny-draft-int8 (noise 0.2)",
-    "draft-fp32": "tiny-draft-fp32 (noise 0.2)",
-}
-QWEN_LABELS = {"mid": "1.5B-int8", "draft": "0.5B-int8", "draft-fp32": "0.5B-fp32"}
-TINY_OPTIONS = {"eos_token_id": None}  # random models: every call generates the whole budget
-
-
-def build_model_set(
-    models: str, needs: set[str], target_dtype: str = "fp32", cache_dir=None, load: bool = True
-) -> ModelSet:
-    """The target, tokenizer and the pool entries in ``needs``.
-
-    With ``load=False`` nothing is loaded: the models are None and only the names and the
-    description are filled in (enough to describe a run, e.g. to rebuild a report).
-    """
-    if target_dtype not in TARGET_DTYPES:
-        raise ValueError(f"target dtype must be one of {list(TARGET_DTYPES)}, got {target_dtype!r}")
-    if models not in ("tiny", "qwen"):
-        raise ValueError(f"--models must be 'tiny' or 'qwen', got {models!r}")
-    needs = {key for key in ("mid", "draft", "draft-fp32") if key in needs}
-    if models == "tiny":
-        labels = {"target": f"tiny random Qwen2 target ({target_dtype})", **{k: TINY_LABELS[k] for k in needs}}
-        info = {"models": "tiny", "target": labels["target"], "generate": TINY_OPTIONS}
-        model_set = ModelSet("tiny", None, None, {k: None for k in needs}, labels, None, info, dict(TINY_OPTIONS))
-    else:
-        labels = {"target": f"Qwen2.5-Coder-1.5B-Instruct ({target_dtype})", **{k: QWEN_LABELS[k] for k in needs}}
-        info = {
-            "models": "qwen",
-            "target": f"{QWEN_TARGET} ({target_dtype})",
-            "int8": "hf_polybasic.levels.quantized_copy(model_fp32, 'int8-dynamic'): torch quantize_dynamic, "
-            "per-channel int8 weights, dynamic int8 activations, every nn.Linear",
-            "weights": "GGUF Q4_K_M dequantized to fp32 (hf_polybasic.models)",
-        }
-        model_set = ModelSet("qwen", None, None, {k: None for k in needs}, labels, None, info)
-    model_set.info["pool"] = {k: labels[k] for k in sorted(needs)}
-    if load:
-        if models == "tiny":
-            _load_tiny(model_set, target_dtype)
-        else:
-            _load_qwen(model_set, target_dtype, cache_dir)
-    return model_set
-
-
-def _load_tiny(model_set: ModelSet, target_dtype: str) -> None:
-    from ..testing import make_chain, make_tokenizer
-
-    target, mid, draft = make_chain("qwen2", depth=3, seed=0)
-    model_set.target = target.to(TARGET_DTYPES[target_dtype])
-    model_set.tokenizer = make_tokenizer()
-    model_set.context_length = target.config.max_position_embeddings
-    built = {"mid": lambda: mid, "draft": lambda: quantized_copy(draft, "int8-dynamic"), "draft-fp32": lambda: draft}
-    for key in model_set.pool:
-        model_set.pool[key] = built[key]()
-
-
-def _load_qwen(model_set: ModelSet, target_dtype: str, cache_dir) -> None:
-    from .. import models
-
-    pool = model_set.pool
-    # The int8 copies are made from fresh fp32 loads *before* the target is loaded, so that the
-    # peak memory holds one fp32 1.5B and its copy, never two fp32 1.5Bs and a copy.
-    if "mid" in pool:
-        fresh, _ = models.load(QWEN_TARGET, dtype=torch.float32, cache_dir=cache_dir)
-        pool["mid"] = quantized_copy(fresh, "int8-dynamic")
-        del fresh
-        gc.collect()
-    if "draft" in pool or "draft-fp32" in pool:
-        small, _ = models.load(QWEN_DRAFT, dtype=torch.float32, cache_dir=cache_dir)
-        if "draft" in pool:
-            pool["draft"] = quantized_copy(small, "int8-dynamic")
-        if "draft-fp32" in pool:
-            pool["draft-fp32"] = small
-        del small
-        gc.collect()
-    model_set.target, model_set.tokenizer = models.load(
-        QWEN_TARGET, dtype=TARGET_DTYPES[target_dtype], cache_dir=cache_dir
-    )

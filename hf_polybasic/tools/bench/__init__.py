@@ -2,20 +2,21 @@
 on the same prompts with the same budget.
 
 * `prompts`: the questions (a Spec-Bench JSONL file, or the shipped default set) and task groups;
-* `methods`: the compared methods, as small named factories, and the model sets they run on;
+* `methods`: the compared methods, as small named factories (the model sets are `..model_sets`);
 * `runner`: the timed, cached, resumable run;
 * `report`: aggregation (Spec-Bench's speedup formula), the markdown table and the plots;
 * `cli`: ``hf-polybasic bench`` (`add_bench_parser`).
 
 From Python::
 
-    from hf_polybasic.bench import BenchSettings, run_benchmark
+    from hf_polybasic.tools.bench import BenchSettings, run_benchmark
     result = run_benchmark(BenchSettings(models="tiny", questions_per_group=1, max_new_tokens=16,
                                          output_dir="/tmp/bench"))
     print(result.summary["table"]["overall"]["ours-draft"]["speedup"])
 """
 
-from .methods import DEFAULT_METHODS, RECIPES, Method, MethodOptions, ModelSet
+from ..model_sets import ModelSet
+from .methods import DEFAULT_METHODS, RECIPES, Method, MethodOptions
 from .methods import hf_assisted, hf_prompt_lookup, plain, polybasic
 from .report import speedup
 from .runner import BenchResult, BenchSettings, rebuild_report, run_benchmark

@@ -1,6 +1,6 @@
 """``hf-polybasic plan``: profile a pool, plan a chain, and with ``--validate`` check the plan by measuring.
 
-The pool (`build_pool`): the benchmark's model sets (`hf_polybasic.bench.methods.build_model_set`):
+The pool (`build_pool`): the tools' model sets (`hf_polybasic.tools.model_sets`):
 ``qwen`` is the Qwen2.5-Coder 1.5B target, an int8 copy of it, the 0.5B in int8, an early exit of
 the target and ``PromptLookup(max_ngram=3, num_tokens=8)``; ``tiny`` is the same shape built from
 random models (mechanics only: their forwards cost so little that per-call overheads dominate).
@@ -21,7 +21,6 @@ import json
 import platform
 import statistics
 import sys
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,17 +29,16 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from . import theory
-from .drafters import PromptLookup
-from .config import PolybasicConfig
-from .integration import generate as polybasic_generate
-from .integration import last_stats
-from .levels import early_exit
-from .planner import TARGET, ChainPrediction, Plan, Profile, plan, predict, profile
-
-QWEN_LABELS = {"mid": "1.5B-int8", "draft": "0.5B-int8"}
-TINY_LABELS = {"mid": "mid", "draft": "draft-int8"}
-LOOKUP_LABEL = "lookup"
+from ..config import PolybasicConfig
+from ..drafters import PromptLookup
+from ..integration import generate as polybasic_generate
+from ..integration import last_stats
+from ..levels import early_exit
+from ..planning import TARGET, ChainPrediction, Plan, Profile, plan, predict, profile, theory
+from .bench.prompts import default_questions
+from .bench.runner import encode, messages_for
+from .harness import timed_call
+from .model_sets import LABELS, build_model_set
 DEFAULT_EARLY_EXIT = {"qwen": 14, "tiny": 1}
 DEFAULT_DTYPE = {"qwen": "bf16", "tiny": "fp32"}
 # one question per group in this order, then the second of each, ...: copy-heavy tasks come first
@@ -75,25 +73,20 @@ def build_pool(
     ``early_exit_layers``: layers of the target's early-exit view (default 14 for qwen, 1 for tiny;
     0 leaves it out).
     """
-    from .bench.methods import build_model_set
-
     if models not in DEFAULT_DTYPE:
         raise ValueError(f"--models must be one of {list(DEFAULT_DTYPE)}, got {models!r}")
     model_set = build_model_set(models, {"mid", "draft"}, target_dtype or DEFAULT_DTYPE[models], cache_dir=cache_dir)
-    labels = QWEN_LABELS if models == "qwen" else TINY_LABELS
+    labels = LABELS[models]
     candidates: dict[str, Any] = {labels[key]: model_set.pool[key] for key in ("mid", "draft")}
     layers = DEFAULT_EARLY_EXIT[models] if early_exit_layers is None else early_exit_layers
     if layers:
         candidates[f"exit{layers}"] = early_exit(model_set.target, layers)
-    candidates[LOOKUP_LABEL] = PromptLookup(max_ngram=3, num_tokens=8)
+    candidates[labels["lookup"]] = PromptLookup(max_ngram=3, num_tokens=8)
     return Pool(models, model_set.target, model_set.tokenizer, candidates, model_set, dict(model_set.generate_options))
 
 
 def pool_prompts(pool: Pool, count: int, max_new_tokens: int) -> list[torch.LongTensor]:
     """``count`` default benchmark prompts ([1, L] ids, chat-templated, cut to the context)."""
-    from .bench.prompts import default_questions
-    from .bench.runner import encode, messages_for
-
     if count < 1:
         raise ValueError(f"--prompts must be >= 1, got {count}")
     questions = default_questions()
@@ -200,9 +193,9 @@ class Runner:
         first = not self.measurement.seconds
         total, counts = 0.0, {}
         for ids in prompts:
-            started = time.perf_counter()
-            out = self._generate(ids, self.max_new_tokens)
-            total += time.perf_counter() - started
+            timing = timed_call(lambda: self._generate(ids, self.max_new_tokens), sample_rss=False)
+            out = timing.output
+            total += timing.seconds
             if first:
                 self.outputs.append(out[0, ids.shape[1] :].tolist())
                 self.measurement.new_tokens += len(self.outputs[-1])

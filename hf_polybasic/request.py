@@ -1,0 +1,205 @@
+"""A `generate` call, checked: what it asks for, validated, as a `Request` the engine decodes.
+
+Options that speculative decoding cannot honour are refused with a clear error instead of being
+ignored (beam search, classifier-free guidance, transformers' own assisted modes, attentions and
+hidden states, right padding, ...); see ``docs/reference/errors.md`` for every message.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .compat import new_dynamic_cache
+from .config import PolybasicConfig
+from .drafters import Drafter
+from .processing import reject_stateful_processors
+from .vocabulary import as_id_list, check_chain_vocabularies
+
+# model_kwargs that `generate` prepares and the engine understands (it recomputes positions per row)
+HANDLED_MODEL_KWARGS = frozenset({"attention_mask", "past_key_values", "use_cache", "logits_to_keep", "position_ids"})
+UNSUPPORTED_OUTPUTS = ("output_attentions", "output_hidden_states")
+
+
+@dataclass(frozen=True)
+class Request:
+    """A checked `generate` call: everything decoding needs.
+
+    Attributes:
+        assistants: the chain below the target, strongest first.
+        config: the call's `PolybasicConfig`.
+        rows: each prompt without its left padding, ``[L_b]``.
+        padded_width: the prompts' width as given (rows are shifted by the padding they lose).
+        max_length: the length budget of the padded batch.
+        do_sample, eos_token_ids: as `generate` resolved them.
+        caches: the target's cache for each row (None: ``use_cache=False``).
+        given_cache: the ``past_key_values`` the caller passed (returned when there is one row).
+        streamer: `generate`'s streamer (batch size 1 only), or None.
+        return_dict: return a `PolybasicGenerateOutput` instead of a tensor.
+        keep_scores, keep_logits: collect the target's processed scores / raw logits per token.
+    """
+
+    assistants: list
+    config: PolybasicConfig
+    rows: list[torch.LongTensor]
+    padded_width: int
+    max_length: int
+    do_sample: bool
+    eos_token_ids: frozenset[int]
+    caches: list
+    given_cache: Any = None
+    streamer: Any = None
+    return_dict: bool = False
+    keep_scores: bool = False
+    keep_logits: bool = False
+
+
+def check_request(
+    model,
+    input_ids: torch.LongTensor,
+    logits_processor,
+    generation_config,
+    assistant_models: Sequence | None,
+    polybasic_config,
+    synced_gpus: bool,
+    streamer,
+    model_kwargs: dict[str, Any],
+) -> Request:
+    """Validate a call of `hf_polybasic.generate` and describe it as a `Request`."""
+    if synced_gpus:
+        raise NotImplementedError("synced_gpus (DeepSpeed ZeRO-3 / FSDP) is not supported by hf_polybasic")
+    for name in UNSUPPORTED_OUTPUTS:
+        if model_kwargs.get(name) or getattr(generation_config, name, False):
+            raise NotImplementedError(f"`{name}=True` is not supported by hf_polybasic; use plain generate for it")
+    unknown = sorted(set(model_kwargs) - HANDLED_MODEL_KWARGS - set(UNSUPPORTED_OUTPUTS))
+    if unknown:
+        raise ValueError(
+            f"hf_polybasic does not support these generate arguments: {unknown} (text-only decoder inputs are supported)"
+        )
+    assistants = validate_assistant_models(model, assistant_models)
+    validate_generation_config(generation_config)
+    config = resolve_config(polybasic_config, generation_config)
+    reject_stateful_processors(logits_processor)
+    config.thresholds_for(len(assistants) - 1)  # validates a per-level mu sequence before any work
+
+    rows = row_prompts(input_ids, model_kwargs.get("attention_mask"))
+    if len(rows) > 1 and streamer is not None:
+        raise ValueError("streamers support batch size 1 only (as in transformers); stream one prompt at a time")
+    given_cache = model_kwargs.get("past_key_values")
+    if given_cache is not None and given_cache.get_seq_length() > 0 and len(rows) > 1:
+        raise ValueError("a pre-filled past_key_values can only be continued with a single prompt")
+    use_cache = model_kwargs.get("use_cache", generation_config.use_cache) is not False
+    return_dict = bool(generation_config.return_dict_in_generate)
+    return Request(
+        assistants=assistants,
+        config=config,
+        rows=rows,
+        padded_width=input_ids.shape[1],
+        max_length=generation_config.max_length,
+        do_sample=bool(generation_config.do_sample),
+        eos_token_ids=frozenset(as_id_list(generation_config.eos_token_id)),
+        caches=_target_caches(model, len(rows), use_cache, given_cache),
+        given_cache=given_cache if use_cache else None,
+        streamer=streamer,
+        return_dict=return_dict,
+        keep_scores=return_dict and bool(generation_config.output_scores),
+        keep_logits=return_dict and bool(generation_config.output_logits),
+    )
+
+
+def _target_caches(target, rows: int, use_cache: bool, given) -> list:
+    """The target's cache for each row: the given one for a single row, else a fresh one (None
+    without caching)."""
+    if not use_cache:
+        return [None] * rows
+    if rows == 1 and given is not None:
+        return [given]
+    return [new_dynamic_cache(target) for _ in range(rows)]
+
+
+def validate_assistant_models(target, assistant_models, tokenizer=None) -> list:
+    """The chain below the target, checked: a non-empty list of decoder-only models sharing the
+    target's vocabulary (and ``tokenizer``'s, when given), with at most a `Drafter` at the bottom."""
+    if assistant_models is None:
+        raise ValueError(
+            "hf_polybasic needs `assistant_models=[M2, ..., Mn]`, the models below the target, strongest first "
+            "(one model gives plain two-model speculative decoding)"
+        )
+    if isinstance(assistant_models, torch.nn.Module) or not isinstance(assistant_models, (list, tuple)):
+        raise TypeError(
+            f"`assistant_models` must be a list of models, strongest first, got {type(assistant_models).__name__}; "
+            "for a single assistant write assistant_models=[model]"
+        )
+    if not assistant_models:
+        raise ValueError("`assistant_models` is empty; give at least one assistant model, e.g. assistant_models=[draft]")
+    models = list(assistant_models)
+    for position, model in enumerate(models):
+        if isinstance(model, Drafter):
+            if position != len(models) - 1:
+                raise ValueError(
+                    f"assistant_models[{position}] is a {type(model).__name__}, which only drafts; it must come last "
+                    "(the bottom of the chain), below every model"
+                )
+            continue
+        if not isinstance(model, torch.nn.Module) or not hasattr(model, "config"):
+            raise TypeError(
+                f"assistant_models[{position}] must be a transformers model (nn.Module with a config) "
+                f"or, last, a hf_polybasic.drafters.Drafter; got {type(model).__name__}"
+            )
+    chain_models = [(i, m) for i, m in enumerate(models) if not isinstance(m, Drafter)]
+    for role, model in [("target", target)] + [(f"assistant_models[{i}]", m) for i, m in chain_models]:
+        if getattr(model.config, "is_encoder_decoder", False):
+            raise NotImplementedError(
+                f"{role} {type(model).__name__} is an encoder-decoder model; hf_polybasic supports decoder-only chains"
+            )
+    check_chain_vocabularies(target, chain_models, tokenizer)
+    return models
+
+
+def validate_generation_config(generation_config) -> None:
+    """Reject options that speculative decoding cannot honour, instead of ignoring them."""
+    if generation_config.num_beams is not None and generation_config.num_beams > 1:
+        raise ValueError(
+            f"num_beams={generation_config.num_beams}: hf_polybasic supports greedy search and sampling, not beam search"
+        )
+    if generation_config.guidance_scale not in (None, 1, 1.0):
+        raise ValueError(
+            "guidance_scale (classifier-free guidance) runs a stateful processor that cannot be rolled back; "
+            "it is not supported with hf_polybasic"
+        )
+    for name in ("prompt_lookup_num_tokens", "assistant_early_exit", "use_mtp"):
+        if getattr(generation_config, name, None):
+            raise ValueError(
+                f"`{name}` selects one of transformers' own assisted-generation modes, which hf_polybasic replaces; "
+                "put the drafter in `assistant_models` instead"
+            )
+
+
+def resolve_config(polybasic_config, generation_config) -> PolybasicConfig:
+    """The call's config, else the default stored in the generation config, else the defaults."""
+    if polybasic_config is None:
+        return PolybasicConfig.from_generation_config(generation_config) or PolybasicConfig()
+    if isinstance(polybasic_config, PolybasicConfig):
+        return polybasic_config
+    if isinstance(polybasic_config, dict):
+        return PolybasicConfig.from_dict(polybasic_config)
+    raise TypeError(f"`polybasic_config` must be a PolybasicConfig or a dict, got {type(polybasic_config).__name__}")
+
+
+def row_prompts(input_ids: torch.LongTensor, attention_mask: torch.Tensor | None) -> list[torch.LongTensor]:
+    """Each row without its left padding, as ``[L_b]``."""
+    if attention_mask is None:
+        return [input_ids[b] for b in range(input_ids.shape[0])]
+    rows = []
+    for b in range(input_ids.shape[0]):
+        mask = attention_mask[b].bool()
+        if bool((mask[1:].int() < mask[:-1].int()).any()) or not bool(mask[-1]):
+            raise ValueError(
+                "hf_polybasic needs left padding for batched prompts (attention_mask of the form 0..0 1..1); "
+                "set tokenizer.padding_side = 'left'"
+            )
+        rows.append(input_ids[b, int((~mask).sum()) :])
+    return rows
