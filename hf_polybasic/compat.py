@@ -10,6 +10,7 @@ topic:
 * models: `accepts_logits_to_keep`, `is_stateful`;
 * generate: `streamer_of_calling_generate` (the caller's frame), `prepared_pad_token_id`
   (``GenerationConfig._pad_token_tensor``), `mark_as_user_config` (``_from_model_config``);
+* loading: `detach_gguf_quantizer` (``hf_quantizer`` of a model dequantized from GGUF);
 * logits processors: `shift_positions` (the attributes that hold absolute positions),
   `decoding_processors` and `resolved_decoding` (the processors and defaults `generate` builds, for
   the planner, which scores without calling `generate`).
@@ -145,6 +146,15 @@ def is_stateful(model) -> bool:
     """Whether transformers marks the model as carrying recurrent state that cannot be rolled back
     (``PreTrainedModel._is_stateful``)."""
     return bool(getattr(model, "_is_stateful", False))
+
+
+def detach_gguf_quantizer(model) -> None:
+    """Make a model loaded from a GGUF file saveable: transformers keeps its GGUF quantizer attached
+    to the dequantized model (``hf_quantizer``, ``config.quantization_config``) and then refuses to
+    serialize it, although the weights are plain tensors by then."""
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
 
 
 # --- generate -------------------------------------------------------------------------------------

@@ -1,3 +1,7 @@
+"""Shared fixtures: tiny random models built once per session and shared read-only."""
+
+import numpy as np
+import pytest
 import torch
 
 # The tiny test models gain nothing from intra-op threads; one thread avoids OpenMP spin-waits on
@@ -8,5 +12,77 @@ torch.set_num_threads(1)
 # run (several of them are statistical tests at a fixed significance level).
 from hypothesis import settings  # noqa: E402
 
+import distribution  # noqa: E402
+from hf_polybasic.testing import make_chain, make_target  # noqa: E402
+
 settings.register_profile("deterministic", derandomize=True, deadline=None)
 settings.load_profile("deterministic")
+
+
+def _fingerprint(model) -> tuple:
+    """What a test could change: weights, configs, and attributes such as an `enable` patch."""
+    weights = float(sum(p.double().sum() for p in model.parameters()))
+    return (
+        weights,
+        repr(sorted(model.config.to_dict().items())),
+        repr(sorted(model.generation_config.to_dict().items())),
+        tuple(sorted(key for key in vars(model) if not key.startswith("_") or key.startswith("_hf_polybasic_enabled"))),
+    )
+
+
+class SharedModels:
+    """Tiny random models built once per session, shared by every test that asks, and read-only:
+    tests that change a model (``hp.enable``, configs) build their own. The session ends by checking
+    that no test changed a shared one."""
+
+    def __init__(self):
+        self._built: dict[tuple, tuple] = {}
+        self._fingerprints: list[tuple] = []
+
+    def _remember(self, key: tuple, models: tuple) -> tuple:
+        self._built[key] = models
+        self._fingerprints += [(key, index, model, _fingerprint(model)) for index, model in enumerate(models)]
+        return models
+
+    def chain(self, arch: str = "llama", depth: int = 3, seed: int = 0) -> tuple:
+        """(target, M2, ..., M_depth) from `hf_polybasic.testing.make_chain`."""
+        key = ("chain", arch, depth, seed)
+        return self._built.get(key) or self._remember(key, tuple(make_chain(arch, depth, seed=seed)))
+
+    def target(self, arch: str = "llama", seed: int = 0, **extra):
+        key = ("target", arch, seed, tuple(sorted(extra.items())))
+        return (self._built.get(key) or self._remember(key, (make_target(arch, seed=seed, **extra),)))[0]
+
+    def register(self, key: tuple, models: tuple) -> tuple:
+        """Share models built elsewhere (e.g. with special settings) under ``key``."""
+        return self._built.get(key) or self._remember(key, tuple(models))
+
+    def changed(self) -> list[str]:
+        return [f"{key}[{index}]" for key, index, model, before in self._fingerprints if _fingerprint(model) != before]
+
+
+@pytest.fixture(scope="session")
+def shared_models():
+    models = SharedModels()
+    yield models
+    changed = models.changed()
+    assert not changed, f"tests changed shared models (build your own instead): {changed}"
+
+
+@pytest.fixture(scope="session")
+def distribution_models(shared_models) -> tuple:
+    """The 8-token target and three assistants of growing noise for the distribution tests."""
+    return shared_models.register(("distribution",), distribution.build_models())
+
+
+@pytest.fixture(scope="session")
+def exact_distribution(distribution_models):
+    """setting -> P(x1, x2, x3) under the target's processed distribution (computed once each)."""
+    cache: dict[str, np.ndarray] = {}
+
+    def exact(setting: str) -> np.ndarray:
+        if setting not in cache:
+            cache[setting] = distribution.exact_joint(distribution_models[0], setting)
+        return cache[setting]
+
+    return exact

@@ -2,8 +2,6 @@
 over 3-token continuations (plain `generate`'s own scores are the oracle), sampling through a
 chain, and a chi-square goodness-of-fit test."""
 
-import functools
-
 import numpy as np
 import torch
 from scipy.stats import chisquare
@@ -23,17 +21,18 @@ SETTINGS = {
 }
 
 
-@functools.lru_cache(maxsize=None)
-def models():
+def build_models() -> tuple:
+    """An 8-token target and three noisy copies of it (noise 0.3, 0.6, 0.9); no EOS."""
     target = make_target("llama", seed=3, vocab=VOCAB, logit_scale=1.5)
     target.generation_config.eos_token_id = None  # every sample has exactly STEPS tokens
-    return [target, noisy_copy(target, 0.3, 1), noisy_copy(target, 0.6, 2), noisy_copy(target, 0.9, 3)]
+    copies = [noisy_copy(target, noise, seed) for seed, noise in enumerate((0.3, 0.6, 0.9), 1)]
+    for model in copies:
+        model.generation_config.eos_token_id = None
+    return (target, *copies)
 
 
-@functools.lru_cache(maxsize=None)
-def exact_distribution(setting: str) -> np.ndarray:
+def exact_joint(target, setting: str) -> np.ndarray:
     """P(x1, x2, x3) under the target's processed distribution, from plain generate's own scores."""
-    target = models()[0]
     ids = prompt(3, seed=5, vocab=VOCAB)
     options = SETTINGS[setting]
 
@@ -58,10 +57,9 @@ def exact_distribution(setting: str) -> np.ndarray:
     return joint.reshape(-1)
 
 
-def sample_counts(setting: str, assistants, seed: int, generate=hp.generate, **config) -> np.ndarray:
-    """Histogram over the 512 outcomes of SAMPLES continuations sampled through the chain
-    (``generate``: the `custom_generate` callable, e.g. one built from deliberately wrong parts)."""
-    target = models()[0]
+def sample_counts(target, setting: str, assistants, seed: int, generate=hp.generate, **config) -> np.ndarray:
+    """Histogram over the 512 outcomes of SAMPLES continuations of ``target`` sampled through the
+    chain (``generate``: the `custom_generate` callable, e.g. one built from deliberately wrong parts)."""
     ids = prompt(3, seed=5, vocab=VOCAB)
     torch.manual_seed(seed)
     out = target.generate(

@@ -16,7 +16,9 @@ from hf_polybasic.tools.bench import cli as bench_cli
 from hf_polybasic.tools.bench import methods as bench_methods
 from hf_polybasic.tools.bench import prompts
 from hf_polybasic.tools.bench.report import first_difference, question_speeds, summarise
-from hf_polybasic.tools.bench.runner import DECODINGS, messages_for, question_seed, read_records
+from hf_polybasic.tools.bench.calls import messages_for
+from hf_polybasic.tools.bench.records import question_seed, read_records
+from hf_polybasic.tools.bench.settings import DECODINGS
 from hf_polybasic.tools.harness import RssSampler
 
 pytest.importorskip("matplotlib")

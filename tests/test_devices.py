@@ -1,19 +1,17 @@
 """Chains whose models differ in dtype and device. CUDA tests are marked and skip without a GPU."""
 
-import functools
-
 import pytest
 import torch
 
 import hf_polybasic as hp
-from hf_polybasic.testing import make_chain, prompt
+from hf_polybasic.testing import prompt
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
-@functools.lru_cache(maxsize=None)
-def fp32_chain():
-    return make_chain("llama", 3, seed=31)
+@pytest.fixture
+def fp32_chain(shared_models):
+    return shared_models.chain("llama", 3, seed=31)
 
 
 def _cast(model, dtype=None, device=None):
@@ -31,14 +29,14 @@ def _greedy_pair(target, assistants, ids, **options):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_low_precision_assistants_under_an_fp32_target(dtype):
-    target, m2, m3 = fp32_chain()
+def test_low_precision_assistants_under_an_fp32_target(dtype, fp32_chain):
+    target, m2, m3 = fp32_chain
     out, reference = _greedy_pair(target, [_cast(m2, dtype), _cast(m3, dtype)], prompt(5, seed=2))
     assert torch.equal(out, reference)
 
 
-def test_low_precision_assistants_sample_without_error():
-    target, m2, m3 = fp32_chain()
+def test_low_precision_assistants_sample_without_error(fp32_chain):
+    target, m2, m3 = fp32_chain
     torch.manual_seed(0)
     out = target.generate(
         prompt(5),
@@ -54,8 +52,8 @@ def test_low_precision_assistants_sample_without_error():
 
 @pytest.mark.cuda
 @needs_cuda
-def test_whole_chain_on_gpu():
-    target, m2, m3 = (_cast(m, device="cuda") for m in fp32_chain())
+def test_whole_chain_on_gpu(fp32_chain):
+    target, m2, m3 = (_cast(m, device="cuda") for m in fp32_chain)
     out, reference = _greedy_pair(target, [m2, m3], prompt(5, seed=3).cuda())
     assert out.device.type == "cuda"
     assert torch.equal(out, reference)
@@ -63,8 +61,8 @@ def test_whole_chain_on_gpu():
 
 @pytest.mark.cuda
 @needs_cuda
-def test_chain_split_between_gpu_and_cpu():
-    target, m2, m3 = fp32_chain()
+def test_chain_split_between_gpu_and_cpu(fp32_chain):
+    target, m2, m3 = fp32_chain
     gpu_target = _cast(target, device="cuda")
     out, reference = _greedy_pair(gpu_target, [_cast(m2, device="cuda"), m3], prompt(5, seed=4).cuda())
     assert torch.equal(out, reference)
@@ -76,9 +74,9 @@ def test_chain_split_between_gpu_and_cpu():
 @pytest.mark.cuda
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_half_precision_chain_on_gpu_samples_and_decodes(dtype):
-    target, m2, m3 = (_cast(m, dtype=dtype, device="cuda") for m in fp32_chain())
-    fp32_target = _cast(fp32_chain()[0], device="cuda")
+def test_half_precision_chain_on_gpu_samples_and_decodes(dtype, fp32_chain):
+    target, m2, m3 = (_cast(m, dtype=dtype, device="cuda") for m in fp32_chain)
+    fp32_target = _cast(fp32_chain[0], device="cuda")
     # greedy exactness is checked against an fp32 target (a half-precision target is not
     # bit-reproducible between 1-token and k-token forwards: near-ties may flip)
     out, reference = _greedy_pair(fp32_target, [m2, m3], prompt(5, seed=5).cuda())
@@ -100,32 +98,32 @@ def test_half_precision_chain_on_gpu_samples_and_decodes(dtype):
 
 @pytest.mark.cuda
 @needs_cuda
-def test_nf4_copy_of_the_target_as_intermediate_on_gpu():
+def test_nf4_copy_of_the_target_as_intermediate_on_gpu(fp32_chain):
     pytest.importorskip("bitsandbytes")
     from hf_polybasic.levels import quantized_copy
 
-    target, _, m3 = fp32_chain()
+    target, _, m3 = fp32_chain
     gpu_target = _cast(target, device="cuda")
     nf4 = quantized_copy(gpu_target, "nf4")
     out, reference = _greedy_pair(gpu_target, [nf4, _cast(m3, device="cuda")], prompt(5, seed=6).cuda())
     assert torch.equal(out, reference)
 
 
-def test_nf4_without_a_gpu_is_a_clear_error():
+def test_nf4_without_a_gpu_is_a_clear_error(fp32_chain):
     from hf_polybasic.levels import quantized_copy
 
     if torch.cuda.is_available():
         pytest.skip("a GPU is present")
     with pytest.raises(ValueError, match="needs a CUDA GPU"):
-        quantized_copy(fp32_chain()[0], "nf4")
+        quantized_copy(fp32_chain[0], "nf4")
 
 
 @pytest.mark.cuda
 @needs_cuda
-def test_cpu_drafter_under_gpu_target_with_prefix_dependent_processors():
+def test_cpu_drafter_under_gpu_target_with_prefix_dependent_processors(fp32_chain):
     """A CPU drafter's logits meet the GPU sequence in processors that read it (repetition penalty,
     no-repeat-ngram), greedy and sampling."""
-    target, m2, m3 = fp32_chain()
+    target, m2, m3 = fp32_chain
     target, m2 = _cast(target, device="cuda"), _cast(m2, device="cuda")
     ids = prompt(5, seed=4).cuda()
     options = dict(repetition_penalty=1.3, no_repeat_ngram_size=3)

@@ -1,7 +1,5 @@
 """Bad input gets a clear error naming the argument; nothing is silently ignored."""
 
-import functools
-
 import pytest
 import torch
 from hf_polybasic.testing import make_chain, make_target, noisy_copy, prompt
@@ -11,14 +9,18 @@ import hf_polybasic as hp
 from hf_polybasic.cache import CachedModel
 
 
-@functools.lru_cache(maxsize=None)
-def chain():
+@pytest.fixture
+def chain(shared_models):
+    return shared_models.chain("llama", 3, seed=21)
+
+
+@pytest.fixture
+def own_chain():
+    """A chain of this test's own, for tests that change the models (enable, config flags)."""
     return make_chain("llama", 3, seed=21)
 
 
-def run(target, assistants=None, **kwargs):
-    if assistants is None:
-        assistants = list(chain()[1:])
+def run(target, assistants, **kwargs):
     kwargs.setdefault("max_new_tokens", 4)
     return target.generate(prompt(4), custom_generate=hp.generate, assistant_models=assistants, **kwargs)
 
@@ -32,20 +34,20 @@ def run(target, assistants=None, **kwargs):
         ([object()], TypeError, r"assistant_models\[0\]"),
     ],
 )
-def test_bad_assistant_models(assistants, error, message):
-    target = chain()[0]
+def test_bad_assistant_models(assistants, error, message, chain):
+    target = chain[0]
     with pytest.raises(error, match=message):
         target.generate(prompt(4), custom_generate=hp.generate, assistant_models=assistants, max_new_tokens=3)
 
 
-def test_a_single_model_instead_of_a_list_is_a_type_error():
-    target, m2, _ = chain()
+def test_a_single_model_instead_of_a_list_is_a_type_error(chain):
+    target, m2, _ = chain
     with pytest.raises(TypeError, match="assistant_models=\\[model\\]"):
         target.generate(prompt(4), custom_generate=hp.generate, assistant_models=m2, max_new_tokens=3)
 
 
-def test_incompatible_vocabulary_names_both_models():
-    target = chain()[0]
+def test_incompatible_vocabulary_names_both_models(chain):
+    target = chain[0]
     other = make_target("qwen2", seed=1, vocab=1000)
     with pytest.raises(ValueError, match=r"assistant_models\[0\] Qwen2ForCausalLM.*LlamaForCausalLM.*1000 vs 96"):
         run(target, [other])
@@ -79,8 +81,8 @@ def test_padded_vocabulary_of_the_same_tokenizer_is_accepted():
     assert int(sampled.max()) < 96
 
 
-def test_disagreeing_eos_is_an_incompatible_tokenizer():
-    target = chain()[0]
+def test_disagreeing_eos_is_an_incompatible_tokenizer(chain):
+    target = chain[0]
     other = noisy_copy(target, 0.1, seed=3)
     other.config.eos_token_id = 7
     with pytest.raises(ValueError, match="disagree on eos_token_id"):
@@ -98,27 +100,27 @@ def test_disagreeing_eos_is_an_incompatible_tokenizer():
         (dict(output_hidden_states=True), "output_hidden_states"),
     ],
 )
-def test_unsupported_generation_options(options, message):
-    target = chain()[0]
+def test_unsupported_generation_options(options, message, chain):
+    target = chain[0]
     error = NotImplementedError if message.startswith("output_") else ValueError
     with pytest.raises(error, match=message):
-        run(target, **options)
+        run(target, chain[1:], **options)
 
 
-def test_unknown_model_inputs_are_named():
-    target = chain()[0]
+def test_unknown_model_inputs_are_named(chain):
+    target = chain[0]
     with pytest.raises(ValueError, match="token_type_ids"):
-        run(target, token_type_ids=torch.zeros(1, 4, dtype=torch.long))
+        run(target, chain[1:], token_type_ids=torch.zeros(1, 4, dtype=torch.long))
 
 
-def test_static_cache_cannot_be_rolled_back():
-    target = chain()[0]
+def test_static_cache_cannot_be_rolled_back(chain):
+    target = chain[0]
     with pytest.raises(ValueError, match=r"^target M1 LlamaForCausalLM uses a StaticCache.*cannot be rolled back"):
-        run(target, past_key_values=StaticCache(config=target.config, max_cache_len=32))
+        run(target, chain[1:], past_key_values=StaticCache(config=target.config, max_cache_len=32))
 
 
-def test_quantized_style_cache_layers_are_refused():
-    target = chain()[0]
+def test_quantized_style_cache_layers_are_refused(chain):
+    target = chain[0]
     cache = DynamicCache(config=target.config)
 
     class OddLayer(type(cache.layers[0])):
@@ -129,18 +131,18 @@ def test_quantized_style_cache_layers_are_refused():
         CachedModel(target, cache, role="target")
 
 
-def test_stateful_models_are_refused():
-    target = chain()[0]
+def test_stateful_models_are_refused(own_chain):
+    target = own_chain[0]
     target._is_stateful = True
     try:
         with pytest.raises(ValueError, match="stateful"):
-            run(target)
+            run(target, own_chain[1:])
     finally:
         del target._is_stateful
 
 
-def test_encoder_decoder_target_is_refused():
-    target, m2, _ = chain()
+def test_encoder_decoder_target_is_refused(own_chain):
+    target, m2, _ = own_chain
     target.config.is_encoder_decoder = True
     try:
         with pytest.raises(NotImplementedError, match="encoder-decoder"):
@@ -149,20 +151,20 @@ def test_encoder_decoder_target_is_refused():
         target.config.is_encoder_decoder = False
 
 
-def test_wrong_number_of_block_thresholds():
-    target = chain()[0]
+def test_wrong_number_of_block_thresholds(chain):
+    target = chain[0]
     with pytest.raises(ValueError, match="block_threshold has 2 values but the chain has 1 intermediate"):
-        run(target, polybasic_config=hp.PolybasicConfig(block_threshold=(4, 4)))
+        run(target, chain[1:], polybasic_config=hp.PolybasicConfig(block_threshold=(4, 4)))
 
 
-def test_polybasic_config_of_the_wrong_type():
-    target = chain()[0]
+def test_polybasic_config_of_the_wrong_type(chain):
+    target = chain[0]
     with pytest.raises(TypeError, match="polybasic_config"):
-        run(target, polybasic_config=5)
+        run(target, chain[1:], polybasic_config=5)
 
 
-def test_enabled_model_rejects_mixing_with_hf_assistant_model():
-    target, m2, m3 = chain()
+def test_enabled_model_rejects_mixing_with_hf_assistant_model(own_chain):
+    target, m2, m3 = own_chain
     hp.enable(target)
     try:
         with pytest.raises(ValueError, match="assistant_model="):
@@ -173,9 +175,9 @@ def test_enabled_model_rejects_mixing_with_hf_assistant_model():
         hp.disable(target)
 
 
-def test_enabled_model_with_an_explicitly_empty_chain_is_an_error():
-    target = chain()[0]
-    hp.enable(target, assistant_models=list(chain()[1:]))
+def test_enabled_model_with_an_explicitly_empty_chain_is_an_error(own_chain):
+    target = own_chain[0]
+    hp.enable(target, assistant_models=list(own_chain[1:]))
     try:
         with pytest.raises(ValueError, match="is empty"):
             target.generate(prompt(4), assistant_models=[], max_new_tokens=3)
@@ -188,17 +190,17 @@ def test_enable_rejects_non_generation_models():
         hp.enable(torch.nn.Linear(2, 2))
 
 
-def test_streamer_with_a_batch_is_refused():
+def test_streamer_with_a_batch_is_refused(chain):
     from hf_polybasic.testing import make_tokenizer
     from transformers import TextStreamer
 
-    target = chain()[0]
+    target = chain[0]
     ids = torch.randint(3, 90, (2, 4))
     with pytest.raises(ValueError, match="batch size 1"):
         target.generate(
             ids,
             custom_generate=hp.generate,
-            assistant_models=list(chain()[1:]),
+            assistant_models=list(chain[1:]),
             max_new_tokens=3,
             streamer=TextStreamer(make_tokenizer()),
         )

@@ -1,6 +1,5 @@
 """Everything users pass to `generate` keeps meaning what it means in plain `generate`."""
 
-import functools
 import threading
 
 import pytest
@@ -21,9 +20,15 @@ import hf_polybasic as hp
 CONFIG = hp.PolybasicConfig(num_draft_tokens=3, block_threshold=4)
 
 
-@functools.lru_cache(maxsize=None)
-def chain(depth: int = 3, arch: str = "llama"):
-    return make_chain(arch, depth, seed=11)
+@pytest.fixture
+def chain(shared_models):
+    return shared_models.chain("llama", 3, seed=11)
+
+
+@pytest.fixture
+def own_chain():
+    """A chain of this test's own, for tests that enable or change the models."""
+    return make_chain("llama", 3, seed=11)
 
 
 def polybasic(target, assistants, *args, **kwargs):
@@ -32,8 +37,8 @@ def polybasic(target, assistants, *args, **kwargs):
 
 
 @pytest.fixture
-def enabled():
-    target, *assistants = chain()
+def enabled(own_chain):
+    target, *assistants = own_chain
     hp.enable(target)
     yield target, assistants
     hp.disable(target)
@@ -41,8 +46,8 @@ def enabled():
 
 # --- budgets, EOS, stopping ------------------------------------------------------------------------
 @pytest.mark.parametrize("budget", [dict(max_new_tokens=1), dict(max_new_tokens=17), dict(max_length=14)])
-def test_length_budget_is_exact(budget):
-    target, *assistants = chain()
+def test_length_budget_is_exact(budget, chain):
+    target, *assistants = chain
     ids = prompt(6, seed=2)
     reference = target.generate(ids, do_sample=False, eos_token_id=None, **budget)
     out = polybasic(target, assistants, ids, do_sample=False, eos_token_id=None, **budget)
@@ -51,8 +56,8 @@ def test_length_budget_is_exact(budget):
     assert out.shape[1] - ids.shape[1] == expected
 
 
-def test_sampling_respects_budget_and_min_new_tokens():
-    target, *assistants = chain()
+def test_sampling_respects_budget_and_min_new_tokens(chain):
+    target, *assistants = chain
     ids = prompt(4, seed=3)
     torch.manual_seed(0)
     for _ in range(5):
@@ -69,8 +74,8 @@ class StopAfterToken(StoppingCriteria):
         return input_ids[:, -1] == self.token
 
 
-def test_custom_stopping_criteria_stop_mid_block():
-    target, *assistants = chain()
+def test_custom_stopping_criteria_stop_mid_block(chain):
+    target, *assistants = chain
     ids = prompt(5, seed=4)
     reference = target.generate(ids, do_sample=False, max_new_tokens=30, eos_token_id=None)
     stop_token = int(reference[0, ids.shape[1] + 7])
@@ -96,7 +101,7 @@ def test_stop_strings_with_tokenizer(enabled):
     assert tokenizer.decode(out[0, ids.shape[1] :]).endswith(word)
 
 
-def test_custom_logits_processor_is_applied_at_every_level():
+def test_custom_logits_processor_is_applied_at_every_level(chain):
     class BanToken(LogitsProcessor):
         def __init__(self, token):
             self.token = token
@@ -106,7 +111,7 @@ def test_custom_logits_processor_is_applied_at_every_level():
             scores[:, self.token] = -float("inf")
             return scores
 
-    target, *assistants = chain()
+    target, *assistants = chain
     ids = prompt(5, seed=6)
     plain = target.generate(ids, do_sample=False, max_new_tokens=20, eos_token_id=None)
     banned = int(plain[0, ids.shape[1] + 2])
@@ -119,8 +124,8 @@ def test_custom_logits_processor_is_applied_at_every_level():
     assert banned not in out[0, ids.shape[1] :].tolist()
 
 
-def test_use_cache_false_gives_the_same_tokens():
-    target, *assistants = chain()
+def test_use_cache_false_gives_the_same_tokens(chain):
+    target, *assistants = chain
     ids = prompt(5, seed=7)
     reference = target.generate(ids, do_sample=False, max_new_tokens=15, eos_token_id=None)
     out = polybasic(target, assistants, ids, do_sample=False, max_new_tokens=15, eos_token_id=None, use_cache=False)
@@ -128,8 +133,8 @@ def test_use_cache_false_gives_the_same_tokens():
 
 
 # --- outputs ---------------------------------------------------------------------------------------
-def test_return_dict_scores_and_logits_match_plain_generate():
-    target, *assistants = chain()
+def test_return_dict_scores_and_logits_match_plain_generate(chain):
+    target, *assistants = chain
     ids = prompt(5, seed=8)
     options = dict(
         do_sample=False,
@@ -153,8 +158,8 @@ def test_return_dict_scores_and_logits_match_plain_generate():
     assert out.past_key_values is not None
 
 
-def test_plain_tensor_output_exposes_stats_through_last_stats():
-    target, *assistants = chain()
+def test_plain_tensor_output_exposes_stats_through_last_stats(chain):
+    target, *assistants = chain
     out = polybasic(target, assistants, prompt(4), do_sample=False, max_new_tokens=8, eos_token_id=None)
     assert isinstance(out, torch.Tensor)
     stats = hp.last_stats(target)
@@ -163,8 +168,8 @@ def test_plain_tensor_output_exposes_stats_through_last_stats():
 
 
 # --- batches ------------------------------------------------------------------------------------------
-def test_left_padded_batch_equals_rows_generated_alone():
-    target, *assistants = chain()
+def test_left_padded_batch_equals_rows_generated_alone(chain):
+    target, *assistants = chain
     tokenizer = make_tokenizer()
     texts = ["hello!there", "ab", "xyz"]
     batch = tokenizer(texts, return_tensors="pt", padding=True)
@@ -180,8 +185,8 @@ def test_left_padded_batch_equals_rows_generated_alone():
         assert (out[row, width + new.shape[0] :] == PAD).all()
 
 
-def test_min_new_tokens_counts_new_tokens_of_each_padded_row():
-    target, *assistants = chain()
+def test_min_new_tokens_counts_new_tokens_of_each_padded_row(chain):
+    target, *assistants = chain
     tokenizer = make_tokenizer()
     texts = ["hello!there", "ab", "xyz"]
     batch = tokenizer(texts, return_tensors="pt", padding=True)
@@ -201,8 +206,8 @@ def test_min_new_tokens_counts_new_tokens_of_each_padded_row():
         assert (out[row, width + tokens.shape[0] :] == PAD).all()
 
 
-def test_num_return_sequences_samples_independent_rows():
-    target, *assistants = chain()
+def test_num_return_sequences_samples_independent_rows(chain):
+    target, *assistants = chain
     ids = prompt(4, seed=9)
     torch.manual_seed(1)
     out = polybasic(target, assistants, ids, do_sample=True, max_new_tokens=10, num_return_sequences=4, eos_token_id=None)
@@ -210,8 +215,8 @@ def test_num_return_sequences_samples_independent_rows():
     assert len({tuple(row.tolist()) for row in out}) > 1
 
 
-def test_right_padding_is_a_clear_error():
-    target, *assistants = chain()
+def test_right_padding_is_a_clear_error(chain):
+    target, *assistants = chain
     ids = torch.tensor([[5, 6, 7], [8, 9, PAD]])
     mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
     with pytest.raises(ValueError, match="left padding"):
@@ -219,8 +224,8 @@ def test_right_padding_is_a_clear_error():
 
 
 # --- streamers ----------------------------------------------------------------------------------------
-def test_text_streamer_prints_the_generated_text(capsys):
-    target, *assistants = chain()
+def test_text_streamer_prints_the_generated_text(capsys, chain):
+    target, *assistants = chain
     tokenizer = make_tokenizer()
     ids = prompt(4, seed=10)
     out = polybasic(
@@ -233,8 +238,8 @@ def test_text_streamer_prints_the_generated_text(capsys):
 
 
 @pytest.mark.parametrize("route", ["custom_generate", "enable"])
-def test_text_iterator_streamer_finishes(route):
-    target, *assistants = chain()
+def test_text_iterator_streamer_finishes(route, own_chain):
+    target, *assistants = own_chain
     tokenizer = make_tokenizer()
     ids = prompt(4, seed=12)
     streamer = TextIteratorStreamer(tokenizer, skip_prompt=True, timeout=60)
@@ -274,8 +279,8 @@ def test_pipeline_with_enabled_model_and_batch_size_two(enabled):
     assert hp.last_stats(target) is not None
 
 
-def test_pipeline_without_enable_through_custom_generate():
-    target, *assistants = chain()
+def test_pipeline_without_enable_through_custom_generate(chain):
+    target, *assistants = chain
     tokenizer = make_tokenizer()
     pipe = pipeline("text-generation", model=target, tokenizer=tokenizer)
     options = dict(do_sample=False, max_new_tokens=8, eos_token_id=None, return_full_text=False)
@@ -293,8 +298,8 @@ def test_pipeline_with_chat_messages(enabled):
     assert pipe(messages, assistant_models=assistants, **options) == expected
 
 
-def test_enable_with_a_default_chain_and_disable():
-    target, *assistants = chain()
+def test_enable_with_a_default_chain_and_disable(own_chain):
+    target, *assistants = own_chain
     ids = prompt(5, seed=13)
     plain_generate = target.generate
     reference = target.generate(ids, do_sample=False, max_new_tokens=10, eos_token_id=None)
@@ -310,18 +315,20 @@ def test_enable_with_a_default_chain_and_disable():
         hp.disable(target)
 
 
-def test_importing_patches_nothing():
-    target, *_ = chain()
+def test_importing_patches_nothing(chain):
+    target, *_ = chain
     assert "generate" not in vars(target)
 
 
 # --- config stored in the generation config --------------------------------------------------------
-def test_config_saved_with_the_model_is_the_default_after_reload(tmp_path):
+def test_config_saved_with_the_model_is_the_default_after_reload(tmp_path, chain):
+    import copy
+
     from transformers import AutoModelForCausalLM
 
-    target, *assistants = chain()
+    target, *assistants = chain
     config = hp.PolybasicConfig(num_draft_tokens=2, block_threshold=(3,))
-    fresh = type(target)(target.config).eval()
+    fresh = type(target)(copy.deepcopy(target.config)).eval()  # saving writes into the config
     fresh.load_state_dict(target.state_dict())
     config.save_to(fresh.generation_config)
     fresh.save_pretrained(tmp_path)

@@ -1,22 +1,21 @@
 """Greedy decoding through any chain equals the target's own greedy `generate`, token for token."""
 
-import functools
-
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hf_polybasic.schedule import SCHEDULES
-from hf_polybasic.testing import EOS, make_chain, prompt
+from hf_polybasic.testing import EOS, prompt
 
 import hf_polybasic as hp
 
 ARCHITECTURES = ["llama", "qwen2", "gemma3"]  # gemma3: sliding window of 6, far shorter than the outputs
 
 
-@functools.lru_cache(maxsize=None)
-def chain_of(arch: str, depth: int):
-    return make_chain(arch, depth, seed=7)
+@pytest.fixture(scope="module")
+def chain_of(shared_models):
+    """(arch, depth) -> the session's shared chain (built once)."""
+    return lambda arch, depth: shared_models.chain(arch, depth, seed=7)
 
 
 def _greedy(target, ids, **kwargs):
@@ -35,7 +34,7 @@ def _greedy(target, ids, **kwargs):
     schedule=st.sampled_from(SCHEDULES),
 )
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-def test_greedy_output_equals_plain_generate(arch, depth, k, mu, prompt_length, budget, eos_step, seed, schedule):
+def test_greedy_output_equals_plain_generate(arch, depth, k, mu, prompt_length, budget, eos_step, seed, schedule, chain_of):
     target, *assistants = chain_of(arch, depth)
     ids = prompt(prompt_length, seed=seed)
     reference = _greedy(target, ids, max_new_tokens=budget, eos_token_id=EOS)
@@ -58,7 +57,7 @@ def test_greedy_output_equals_plain_generate(arch, depth, k, mu, prompt_length, 
 
 
 @pytest.mark.parametrize("depth", [2, 3, 4])
-def test_greedy_equality_with_every_prefix_dependent_processor(depth):
+def test_greedy_equality_with_every_prefix_dependent_processor(depth, chain_of):
     target, *assistants = chain_of("llama", depth)
     ids = prompt(4, seed=3)
     options = dict(
@@ -73,7 +72,7 @@ def test_greedy_equality_with_every_prefix_dependent_processor(depth):
     assert torch.equal(out, reference)
 
 
-def test_statistics_count_what_happened():
+def test_statistics_count_what_happened(chain_of):
     target, m2, m3 = chain_of("llama", 3)
     ids = prompt(5, seed=1)
     out = _greedy(

@@ -1,10 +1,8 @@
 """Level builders and drafters: exact in 2-, 3- and 4-level chains, greedy and sampled."""
 
-import functools
-
 import pytest
 import torch
-from distribution import ALPHA, chi_square_p_value, exact_distribution, models, sample_counts
+from distribution import ALPHA, chi_square_p_value, sample_counts
 
 import hf_polybasic as hp
 from hf_polybasic.drafters import Drafter, PromptLookup
@@ -12,14 +10,14 @@ from hf_polybasic.levels import early_exit, quantized_copy
 from hf_polybasic.testing import make_target, noisy_copy, prompt
 
 
-@functools.lru_cache(maxsize=None)
-def four_layer_target():
-    return make_target("llama", seed=41, layers=4)
+@pytest.fixture
+def four_layer_target(shared_models):
+    return shared_models.target("llama", seed=41, layers=4)
 
 
-def chain_for(kind: str, depth: int):
-    """assistant_models of a `depth`-model chain that uses the level `kind` (strongest first)."""
-    target = four_layer_target()
+def chain_for(target, kind: str, depth: int):
+    """assistant_models of a `depth`-model chain below ``target`` that uses the level `kind`
+    (strongest first)."""
     lookup = PromptLookup(max_ngram=3, num_tokens=5)
     noisy = noisy_copy(target, 0.2, seed=1)
     if kind == "prompt_lookup":
@@ -34,9 +32,9 @@ def chain_for(kind: str, depth: int):
 
 @pytest.mark.parametrize("kind", ["prompt_lookup", "early_exit", "bf16", "int8-dynamic"])
 @pytest.mark.parametrize("depth", [2, 3, 4])
-def test_greedy_equality_with_each_level(kind, depth):
-    target = four_layer_target()
-    assistants = chain_for(kind, depth)
+def test_greedy_equality_with_each_level(kind, depth, four_layer_target):
+    target = four_layer_target
+    assistants = chain_for(target, kind, depth)
     for seed in range(3):
         ids = prompt(6, seed=seed)
         options = dict(do_sample=False, max_new_tokens=40, eos_token_id=None)
@@ -78,21 +76,21 @@ SETTING = "temperature+top_k+top_p"
 @pytest.mark.parametrize(
     "name, assistants",
     [
-        ("prompt lookup, 2 models", lambda: [PromptLookup(max_ngram=2, num_tokens=3)]),
-        ("prompt lookup, 3 models", lambda: [models()[1], PromptLookup(max_ngram=2, num_tokens=3)]),
-        ("early exit + int8 copy, 4 models", lambda: [
-            quantized_copy(models()[0], "int8-dynamic"), early_exit(models()[0], 1), PromptLookup(num_tokens=2)
+        ("prompt lookup, 2 models", lambda m: [PromptLookup(max_ngram=2, num_tokens=3)]),
+        ("prompt lookup, 3 models", lambda m: [m[1], PromptLookup(max_ngram=2, num_tokens=3)]),
+        ("early exit + int8 copy, 4 models", lambda m: [
+            quantized_copy(m[0], "int8-dynamic"), early_exit(m[0], 1), PromptLookup(num_tokens=2)
         ]),
-        ("custom stochastic drafter, 3 models", lambda: [models()[1], UniformDrafter(8)]),
+        ("custom stochastic drafter, 3 models", lambda m: [m[1], UniformDrafter(8)]),
     ],
 )
-def test_sampling_with_each_level_is_the_target_distribution(name, assistants):
-    counts = sample_counts(SETTING, assistants(), seed=7, num_draft_tokens=2, block_threshold=2)
+def test_sampling_with_each_level_is_the_target_distribution(name, assistants, exact_distribution, distribution_models):
+    counts = sample_counts(distribution_models[0], SETTING, assistants(distribution_models), seed=7, num_draft_tokens=2, block_threshold=2)
     assert chi_square_p_value(counts, exact_distribution(SETTING)) > ALPHA
 
 
-def test_negative_control_a_drafter_that_misreports_its_distribution_is_caught():
-    counts = sample_counts(SETTING, [UniformDrafter(8, lie=True)], seed=7, num_draft_tokens=2)
+def test_negative_control_a_drafter_that_misreports_its_distribution_is_caught(exact_distribution, distribution_models):
+    counts = sample_counts(distribution_models[0], SETTING, [UniformDrafter(8, lie=True)], seed=7, num_draft_tokens=2)
     assert chi_square_p_value(counts, exact_distribution(SETTING)) < ALPHA
 
 
@@ -114,8 +112,8 @@ def test_prompt_lookup_validates_its_settings(kwargs):
         PromptLookup(**kwargs)
 
 
-def test_early_exit_shares_weights_and_leaves_the_model_alone():
-    target = four_layer_target()
+def test_early_exit_shares_weights_and_leaves_the_model_alone(four_layer_target):
+    target = four_layer_target
     short = early_exit(target, 2)
     assert short.config.num_hidden_layers == 2 and target.config.num_hidden_layers == 4
     assert len(short.model.layers) == 2 and len(target.model.layers) == 4
@@ -135,8 +133,8 @@ def test_early_exit_of_a_sliding_window_model_is_exact():
     assert torch.equal(out, target.generate(ids, **options))
 
 
-def test_quantized_copy_shares_nothing_mutable():
-    target = four_layer_target()
+def test_quantized_copy_shares_nothing_mutable(four_layer_target):
+    target = four_layer_target
     for method in ("bf16", "fp16", "int8-dynamic"):
         copy = quantized_copy(target, method)
         target_storages = {p.data_ptr() for p in target.parameters()}
@@ -147,8 +145,8 @@ def test_quantized_copy_shares_nothing_mutable():
         quantized_copy(target, "int3")
 
 
-def test_drafter_must_be_last_and_must_return_valid_proposals():
-    target = four_layer_target()
+def test_drafter_must_be_last_and_must_return_valid_proposals(four_layer_target):
+    target = four_layer_target
     ids = prompt(4)
     with pytest.raises(ValueError, match="must come last"):
         target.generate(ids, custom_generate=hp.generate, assistant_models=[PromptLookup(), noisy_copy(target, 0.1, 2)])

@@ -11,8 +11,6 @@ import torch
 import hf_polybasic as hp
 from hf_polybasic.tools import cli
 from hf_polybasic.drafters import PromptLookup
-from hf_polybasic.compat import decoding_processors
-from hf_polybasic.compat import resolved_decoding
 from hf_polybasic.costs import interpolate_cost, nondecreasing
 from hf_polybasic.planning import (
     Profile,
@@ -295,16 +293,6 @@ def test_profile_argument_errors():
         profile(target, {"x": object()}, None, [prompt(5)], progress=False)
     with pytest.raises(ValueError, match="need a tokenizer"):
         profile(target, {"mid": mid}, None, ["some text"], progress=False)
-
-
-def test_decoding_is_resolved_as_generate_resolves_it():
-    target = make_chain("llama", depth=1)[0]
-    assert resolved_decoding(target)["do_sample"] is False
-    sampling = resolved_decoding(target, do_sample=True, temperature=0.7)
-    assert sampling["top_k"] == 50 and sampling["temperature"] == 0.7  # transformers' default top_k
-    names = [type(p).__name__ for p in decoding_processors(sampling)]
-    assert names == ["TemperatureLogitsWarper", "TopKLogitsWarper"]
-    assert len(decoding_processors(resolved_decoding(target))) == 0
 
 
 def test_prompts_may_be_text_chat_or_ids():

@@ -17,8 +17,9 @@ from hf_polybasic.verify import speculative_verify
 EVERY_DRAFT_ACCEPTED = hp.PolybasicConfig(num_draft_tokens=8, schedule="constant")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def target_and_copy():
+    """A target and an exact copy of it, this test's own (some tests enable the target)."""
     target = make_target("llama", seed=51)
     return target, noisy_copy(target, 0.0, seed=1)
 

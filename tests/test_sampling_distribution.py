@@ -16,8 +16,6 @@ from distribution import (
     STEPS,
     VOCAB,
     chi_square_p_value,
-    exact_distribution,
-    models,
     outcome_counts,
     sample_counts,
 )
@@ -39,8 +37,8 @@ from hf_polybasic.testing import prompt
         ("temperature+top_k+top_p", 3, dict(num_draft_tokens=2, block_threshold=2, verification="greedy")),
     ],
 )
-def test_chain_samples_the_target_distribution(setting, depth, config):
-    counts = sample_counts(setting, models()[1:depth], seed=depth, **config)
+def test_chain_samples_the_target_distribution(setting, depth, config, distribution_models, exact_distribution):
+    counts = sample_counts(distribution_models[0], setting, distribution_models[1:depth], seed=depth, **config)
     assert chi_square_p_value(counts, exact_distribution(setting)) > ALPHA
 
 
@@ -52,26 +50,25 @@ class RawProposalDrafter(ModelDrafter):
         return logits.softmax(-1)
 
 
-def test_negative_control_raw_proposal_is_rejected():
+def test_negative_control_raw_proposal_is_rejected(distribution_models, exact_distribution):
     lossy = make_generate(ChainParts(model_drafter=RawProposalDrafter))
     setting = "temperature+top_k+top_p"
-    counts = sample_counts(setting, models()[1:2], seed=2, generate=lossy, num_draft_tokens=2)
+    counts = sample_counts(distribution_models[0], setting, distribution_models[1:2], seed=2, generate=lossy, num_draft_tokens=2)
     assert chi_square_p_value(counts, exact_distribution(setting)) < ALPHA
 
 
-def test_negative_control_assistant_alone_is_rejected():
+def test_negative_control_assistant_alone_is_rejected(distribution_models, exact_distribution):
     """The test has the power to tell the target from its closest assistant."""
-    target, m2, *_ = models()
+    target, m2, *_ = distribution_models
     setting = "temperature+top_k+top_p"
     ids = prompt(3, seed=5, vocab=VOCAB)
     torch.manual_seed(0)
-    m2.generation_config.eos_token_id = None
     out = m2.generate(ids, do_sample=True, max_new_tokens=STEPS, num_return_sequences=SAMPLES, **SETTINGS[setting])
     counts = outcome_counts(out[:, ids.shape[1] :])
     assert chi_square_p_value(counts, exact_distribution(setting)) < ALPHA
 
 
-def test_exact_distribution_is_a_distribution():
+def test_exact_distribution_is_a_distribution(exact_distribution):
     for setting in SETTINGS:
         probs = exact_distribution(setting)
         assert probs.sum() == pytest.approx(1.0)

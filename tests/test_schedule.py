@@ -8,7 +8,7 @@ lossy, and the test catches it.
 
 import pytest
 import torch
-from distribution import ALPHA, chi_square_p_value, exact_distribution, models, sample_counts
+from distribution import ALPHA, chi_square_p_value, sample_counts
 
 from hf_polybasic.chain import ChainParts
 from hf_polybasic.drafting import ModelDrafter
@@ -75,9 +75,9 @@ def test_unknown_schedule_is_a_clear_error():
 
 @pytest.mark.parametrize("schedule", ["heuristic", "cost_aware"])
 @pytest.mark.parametrize("depth", [2, 3])
-def test_varying_schedules_sample_the_target_distribution(schedule, depth):
+def test_varying_schedules_sample_the_target_distribution(schedule, depth, distribution_models, exact_distribution):
     setting = "temperature+top_k+top_p"
-    counts = sample_counts(setting, models()[1:depth], seed=11, num_draft_tokens=1, block_threshold=1, schedule=schedule)
+    counts = sample_counts(distribution_models[0], setting, distribution_models[1:depth], seed=11, num_draft_tokens=1, block_threshold=1, schedule=schedule)
     assert chi_square_p_value(counts, exact_distribution(setting)) > ALPHA
 
 
@@ -93,10 +93,10 @@ class PeekingDrafter(ModelDrafter):
         return Proposal(tokens, probs)
 
 
-def test_negative_control_length_chosen_after_drafting_is_rejected():
+def test_negative_control_length_chosen_after_drafting_is_rejected(distribution_models, exact_distribution):
     lossy = make_generate(ChainParts(model_drafter=PeekingDrafter))
     setting = "temperature+top_k+top_p"
-    counts = sample_counts(setting, models()[1:2], seed=11, generate=lossy, num_draft_tokens=2)
+    counts = sample_counts(distribution_models[0], setting, distribution_models[1:2], seed=11, generate=lossy, num_draft_tokens=2)
     assert chi_square_p_value(counts, exact_distribution(setting)) < ALPHA
 
 

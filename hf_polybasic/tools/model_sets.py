@@ -14,7 +14,8 @@ from typing import Any
 
 import torch
 
-from ..levels import quantized_copy
+from ..drafters import PromptLookup
+from ..levels import early_exit, quantized_copy
 
 QWEN_TARGET = "qwen2.5-coder-1.5b-instruct"
 QWEN_DRAFT = "qwen2.5-coder-0.5b-instruct"
@@ -129,3 +130,40 @@ def _load_qwen(model_set: ModelSet, target_dtype: str, cache_dir) -> None:
     model_set.target, model_set.tokenizer = models.load(
         QWEN_TARGET, dtype=TARGET_DTYPES[target_dtype], cache_dir=cache_dir
     )
+
+
+# --- the planner's pool: the model set's mid and draft, an early exit of the target, PromptLookup
+DEFAULT_EARLY_EXIT = {"qwen": 14, "tiny": 1}
+DEFAULT_DTYPE = {"qwen": "bf16", "tiny": "fp32"}
+
+
+@dataclass
+class Pool:
+    """The target, its tokenizer, the candidates (label -> model or Drafter) and generate options."""
+
+    name: str
+    target: torch.nn.Module
+    tokenizer: Any
+    candidates: dict[str, Any]
+    model_set: Any
+    generate_options: dict = field(default_factory=dict)
+
+
+def build_pool(
+    models: str, target_dtype: str | None = None, early_exit_layers: int | None = None, cache_dir=None
+) -> Pool:
+    """The model set for ``models`` ("qwen" or "tiny") plus an early exit and PromptLookup.
+
+    ``early_exit_layers``: layers of the target's early-exit view (default 14 for qwen, 1 for tiny;
+    0 leaves it out).
+    """
+    if models not in DEFAULT_DTYPE:
+        raise ValueError(f"--models must be one of {list(DEFAULT_DTYPE)}, got {models!r}")
+    model_set = build_model_set(models, {"mid", "draft"}, target_dtype or DEFAULT_DTYPE[models], cache_dir=cache_dir)
+    labels = LABELS[models]
+    candidates: dict[str, Any] = {labels[key]: model_set.pool[key] for key in ("mid", "draft")}
+    layers = DEFAULT_EARLY_EXIT[models] if early_exit_layers is None else early_exit_layers
+    if layers:
+        candidates[f"exit{layers}"] = early_exit(model_set.target, layers)
+    candidates[labels["lookup"]] = PromptLookup(max_ngram=3, num_tokens=8)
+    return Pool(models, model_set.target, model_set.tokenizer, candidates, model_set, dict(model_set.generate_options))

@@ -38,6 +38,8 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from ..compat import detach_gguf_quantizer
+
 __all__ = ["MODELS", "Chunk", "Model", "UnknownModelError", "available", "get", "install", "load"]
 
 
@@ -380,11 +382,7 @@ def convert(gguf_path: Path, out_dir: Path, manifest: dict) -> Path:
         # (no local_files_only here: the tokenizer would save it into its tokenizer_config.json)
         tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
         model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
-    # The GGUF quantizer stays attached to the dequantized model and refuses to serialize it;
-    # the weights are plain float32 tensors by now, so detach it.
-    model.hf_quantizer = None
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
+    detach_gguf_quantizer(model)
     try:
         model.save_pretrained(partial)
         tokenizer.save_pretrained(partial)

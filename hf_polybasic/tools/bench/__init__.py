@@ -3,6 +3,7 @@ on the same prompts with the same budget.
 
 * `prompts`: the questions (a Spec-Bench JSONL file, or the shipped default set) and task groups;
 * `methods`: the compared methods, as small named factories (the model sets are `..model_sets`);
+* `settings`: what a run is; `calls`: one timed call; `records`: the results cache;
 * `runner`: the timed, cached, resumable run;
 * `report`: aggregation (Spec-Bench's speedup formula), the markdown table and the plots;
 * `cli`: ``hf-polybasic bench`` (`add_bench_parser`).
@@ -19,7 +20,8 @@ from ..model_sets import ModelSet
 from .methods import DEFAULT_METHODS, RECIPES, Method, MethodOptions
 from .methods import hf_assisted, hf_prompt_lookup, plain, polybasic
 from .report import speedup
-from .runner import BenchResult, BenchSettings, rebuild_report, run_benchmark
+from .runner import rebuild_report, run_benchmark
+from .settings import BenchResult, BenchSettings
 
 __all__ = [
     "DEFAULT_METHODS",

@@ -10,7 +10,7 @@ import argparse
 import sys
 
 from .methods import DEFAULT_METHODS, RECIPES
-from .runner import DECODINGS
+from .settings import DECODINGS
 
 QUICK = {"questions_per_group": 1, "max_new_tokens": 24, "repeats": 1, "warmup": 1}
 FULL = {"questions_per_group": None, "max_new_tokens": 256, "repeats": 1, "warmup": 1}
@@ -59,7 +59,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def settings_from_args(args: argparse.Namespace, command: str | None = None):
-    from .runner import BenchSettings
+    from .settings import BenchSettings
 
     sizes = dict(QUICK if args.quick else FULL)
     for name in sizes:
@@ -96,7 +96,7 @@ def run_from_args(args: argparse.Namespace) -> int:
             default = "default" if name in DEFAULT_METHODS else "       "
             print(f"{name:<27} {default}  needs: {', '.join(recipe.needs) or '-'}")
         return 0
-    from .runner import command_line
+    from ..machine import command_line
 
     command = getattr(args, "command_line", None) or command_line()
     try:

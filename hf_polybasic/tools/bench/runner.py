@@ -20,177 +20,26 @@ sampled peak during the call.
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
-import platform
-import shlex
-import subprocess
 import sys
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from . import prompts as prompt_sets
-from ..harness import process_peak_rss_mib, timed_call
+from ..harness import process_peak_rss_mib
+from ..machine import command_line, machine_info
 from ..model_sets import ModelSet, build_model_set
-from .methods import Method, MethodOptions, build_methods, needed_pool, resolve_names
-from .report import first_difference, write_report
-
-RESULTS_FILE = "results.jsonl"
-RUN_FILE = "run.json"
-
-DECODINGS: dict[str, dict[str, Any]] = {
-    "greedy": {"do_sample": False},
-    "sample-t1": {"do_sample": True, "temperature": 1.0, "top_p": 1.0, "top_k": 0},
-    "sample-t0.7-p0.9": {"do_sample": True, "temperature": 0.7, "top_p": 0.9, "top_k": 0},
-}
-WARMUP_TOKENS = 8
+from .calls import generate_once, messages_for, mismatch_detail
+from .methods import Method, build_methods, needed_pool, resolve_names
+from .records import fingerprint, question_seed, read_records, record_key, unit_key
+from .report import write_report
+from .settings import DECODINGS, RESULTS_FILE, RUN_FILE, WARMUP_TOKENS, BenchResult, BenchSettings
 
 
-@dataclass
-class BenchSettings:
-    """What to run; see ``hf-polybasic bench --help`` for each field."""
-
-    models: str = "tiny"
-    target_dtype: str = "fp32"
-    methods: tuple[str, ...] | None = None
-    question_file: str | None = None
-    groups: tuple[str, ...] | None = None
-    questions_per_group: int | None = None
-    max_new_tokens: int = 256
-    decoding: str = "greedy"
-    repeats: int = 1
-    warmup: int = 1
-    seed: int = 0
-    num_draft_tokens: int = 4
-    block_threshold: int = 8
-    lookup_tokens: int = 8
-    lookup_max_ngram: int = 3
-    threads: int | None = None
-    output_dir: str = "bench-results"
-    cache_dir: str | None = None
-    progress: bool = True
-    quick: bool = False
-    command: str | None = None
-
-    def __post_init__(self) -> None:
-        if self.decoding not in DECODINGS:
-            raise ValueError(f"decoding must be one of {list(DECODINGS)}, got {self.decoding!r}")
-        for name in ("max_new_tokens", "repeats", "num_draft_tokens", "block_threshold", "lookup_tokens"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.warmup < 0:
-            raise ValueError(f"warmup must be >= 0, got {self.warmup}")
-        if self.questions_per_group is not None and self.questions_per_group < 1:
-            raise ValueError(f"questions_per_group must be >= 1, got {self.questions_per_group}")
-
-    @property
-    def method_options(self) -> MethodOptions:
-        return MethodOptions(self.num_draft_tokens, self.block_threshold, self.lookup_tokens, self.lookup_max_ngram)
-
-    @property
-    def greedy(self) -> bool:
-        return not DECODINGS[self.decoding]["do_sample"]
-
-
-@dataclass
-class BenchResult:
-    """What `run_benchmark` produced."""
-
-    output_dir: Path
-    summary: dict
-    mismatches: list[dict]
-    units_run: int
-    units_cached: int
-    files: list[Path] = field(default_factory=list)
-
-    @property
-    def exit_code(self) -> int:
-        """1 when a lossless method's greedy output differed from plain generate's, else 0."""
-        return 1 if self.mismatches else 0
-
-
-# ------------------------------------------------------------------------------ measurement
-def command_line() -> str:
-    """This process's command line, as typed (``python -m hf_polybasic.tools.bench`` for the module)."""
-    program = sys.argv[0] if sys.argv else "python"
-    if program.endswith("__main__.py"):
-        head = ["python", "-m", "hf_polybasic.tools.bench"]
-    else:
-        head = [Path(program).name]
-    return shlex.join(head + sys.argv[1:])
-
-
-def question_seed(base_seed: int, question_id: str, turn: int) -> int:
-    """The fixed sampling seed of one question turn: the same for every method and repeat."""
-    digest = hashlib.sha256(f"{base_seed}:{question_id}:{turn}".encode()).hexdigest()
-    return int(digest[:8], 16)
-
-
-# -------------------------------------------------------------------------------- environment
-def machine_info() -> dict:
-    """CPU model, cores, memory, library versions, git commit and load at the start of the run."""
-    import transformers
-
-    from ... import __version__
-
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as handle:
-            for line in handle:
-                if line.lower().startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    info = {
-        "cpu": cpu,
-        "logical_cores": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "hf_polybasic": __version__,
-    }
-    try:
-        import psutil
-
-        info["physical_cores"] = psutil.cpu_count(logical=False)
-        info["memory_gib"] = round(psutil.virtual_memory().total / 2**30, 1)
-        info["psutil"] = psutil.__version__
-    except ImportError:  # pragma: no cover
-        pass
-    if hasattr(os, "getloadavg"):
-        info["load_average_at_start"] = [round(x, 2) for x in os.getloadavg()]
-    info.update(_git_state())
-    return info
-
-
-def _git_state() -> dict:
-    root = Path(__file__).resolve().parents[3]
-    try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10, check=True
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
-            cwd=root,
-            capture_output=True,
-            text=True,
-            timeout=10,
-        ).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return {}
-    return {"git_commit": commit, "git_dirty": bool(dirty)}
-
-
-# ------------------------------------------------------------------------------------ the run
 def load_questions(settings: BenchSettings) -> tuple[list[prompt_sets.Question], dict]:
     """The selected questions and a description of where they came from."""
     if settings.question_file:
@@ -206,150 +55,6 @@ def load_questions(settings: BenchSettings) -> tuple[list[prompt_sets.Question],
     if not chosen:
         raise ValueError("no questions selected")
     return chosen, source
-
-
-def fingerprint(settings: BenchSettings, model_info: dict) -> str:
-    """What a cached result must share with this run to be reused (besides question and method)."""
-    keyed = {
-        # the pool depends on the selected methods; each method's spec names the models it uses
-        "models": {key: value for key, value in model_info.items() if key != "pool"},
-        "target_dtype": settings.target_dtype,
-        "decoding": DECODINGS[settings.decoding],
-        "max_new_tokens": settings.max_new_tokens,
-        "seed": settings.seed if not settings.greedy else None,
-        "threads": settings.threads or torch.get_num_threads(),
-    }
-    return hashlib.sha256(json.dumps(keyed, sort_keys=True).encode()).hexdigest()[:16]
-
-
-def unit_key(fp: str, method: Method, question: prompt_sets.Question, turn: int, repeat: int) -> tuple:
-    return (fp, method.name, method.spec_digest, question.question_id, question.digest, turn, repeat)
-
-
-def record_key(record: dict) -> tuple:
-    return (
-        record["fingerprint"],
-        record["method"],
-        record["method_spec"],
-        record["question_id"],
-        record["question_digest"],
-        record["turn"],
-        record["repeat"],
-    )
-
-
-def read_records(path: Path) -> list[dict]:
-    """The JSON lines of a results file; a torn last line (an interrupted write) is ignored."""
-    if not path.exists():
-        return []
-    records = []
-    with open(path, encoding="utf-8") as handle:
-        for line in handle:
-            line = line.strip()
-            if not line:
-                continue
-            try:
-                records.append(json.loads(line))
-            except ValueError:
-                continue
-    return records
-
-
-def encode(model_set: ModelSet, messages: list[dict], max_new_tokens: int) -> tuple[dict, int]:
-    """Chat-templated inputs (``add_generation_prompt=True``), cut to the model's context if needed;
-    also returns how many prompt tokens were cut."""
-    encoded = model_set.tokenizer.apply_chat_template(
-        messages, add_generation_prompt=True, return_dict=True, return_tensors="pt"
-    )
-    input_ids = encoded["input_ids"]
-    attention_mask = encoded.get("attention_mask")
-    if attention_mask is None:
-        attention_mask = torch.ones_like(input_ids)
-    cut = 0
-    if model_set.context_length is not None:
-        room = model_set.context_length - max_new_tokens
-        if room < 1:
-            raise ValueError(f"max_new_tokens={max_new_tokens} leaves no room for a prompt in this model's context")
-        cut = max(0, input_ids.shape[1] - room)
-        input_ids, attention_mask = input_ids[:, cut:], attention_mask[:, cut:]
-    device = next(model_set.target.parameters()).device
-    return {"input_ids": input_ids.to(device), "attention_mask": attention_mask.to(device)}, cut
-
-
-def messages_for(question: prompt_sets.Question, turn: int, answers: list[str]) -> list[dict]:
-    """The chat for ``turn``: earlier user turns each followed by this method's own answer."""
-    messages = []
-    for index in range(turn):
-        messages.append({"role": "user", "content": question.turns[index]})
-        messages.append({"role": "assistant", "content": answers[index]})
-    messages.append({"role": "user", "content": question.turns[turn]})
-    return messages
-
-
-def decoding_options(settings: BenchSettings, max_new_tokens: int | None = None) -> dict:
-    return {**DECODINGS[settings.decoding], "max_new_tokens": max_new_tokens or settings.max_new_tokens}
-
-
-def _level_rows(stats, labels: Sequence[str] = ()) -> list[dict] | None:
-    if stats is None:
-        return None
-    rows = []
-    for index, level in enumerate(stats.levels):
-        rows.append(
-            {
-                "name": level.name,
-                "label": f"M{index + 1} {labels[index]}" if index < len(labels) else level.name,
-                "role": level.role,
-                "forward_passes": level.forward_passes,
-                "verifications": level.verifications,
-                "drafted": level.drafted,
-                "accepted": level.accepted,
-                "proposed": level.proposed,
-                "seconds": level.seconds,
-                "mean_acceptance_length": level.mean_acceptance_length,
-                "acceptance_lengths": list(level.acceptance_lengths),
-            }
-        )
-    return rows
-
-
-def generate_once(
-    method: Method, model_set: ModelSet, messages: list[dict], settings: BenchSettings, seed: int | None,
-    max_new_tokens: int | None = None,
-) -> dict:
-    """One timed ``generate`` call; the measurements as a dict (no cache keys)."""
-    inputs, cut = encode(model_set, messages, max_new_tokens or settings.max_new_tokens)
-    options = {**model_set.generate_options, **decoding_options(settings, max_new_tokens)}
-    prompt_length = inputs["input_ids"].shape[1]
-    if seed is not None:
-        torch.manual_seed(seed)
-    timing = timed_call(lambda: method.run(model_set.target, inputs, options), target=model_set.target)
-    sequences, seconds = timing.output, timing.seconds
-    if not isinstance(sequences, torch.Tensor):  # a ModelOutput
-        sequences = sequences.sequences
-    new = sequences[0, prompt_length:].tolist()
-    stats = method.stats(model_set.target)
-    return {
-        "prompt_tokens": prompt_length,
-        "prompt_cut": cut,
-        "new_tokens": len(new),
-        "seconds": seconds,
-        "tokens_per_second": len(new) / seconds if seconds > 0 else None,
-        "target_forwards": timing.target_forwards,
-        "output_ids": new,
-        "output_text": model_set.tokenizer.decode(new, skip_special_tokens=True),
-        "seed": seed,
-        "rss_before_mib": timing.rss_before_mib,
-        "rss_after_mib": timing.rss_after_mib,
-        "rss_peak_mib": timing.rss_peak_mib,
-        "levels": _level_rows(stats, method.level_labels),
-    }
-
-
-def _say(message: str) -> None:
-    from tqdm.auto import tqdm
-
-    tqdm.write(message, file=sys.stderr)
 
 
 def describe_run(
@@ -497,43 +202,6 @@ def _warm_up(method: Method, model_set: ModelSet, question: prompt_sets.Question
 
 # relative logit gap below which a greedy mismatch counts as a numeric near-tie: two units in the
 # last place of the target's dtype (bf16 keeps 8 significant bits, fp16 11, fp32 24)
-NEAR_TIE_ULPS = 2
-MANTISSA_BITS = {torch.bfloat16: 8, torch.float16: 11, torch.float32: 24}
-
-
-@torch.no_grad()
-def mismatch_detail(record, plain_record, model_set: ModelSet, messages, settings: BenchSettings) -> dict | None:
-    """None if the greedy output equals plain generate's; else where it first differs and the
-    target's logits of the two tokens there (one full forward over the common prefix), so a bf16
-    near-tie is told apart from a bug."""
-    if plain_record is None:
-        return None
-    position = first_difference(record["output_ids"], plain_record["output_ids"])
-    if position is None:
-        return None
-    detail = {"position": position}
-    if record["turn"] > 0 and record.get("prompt_tokens") != plain_record.get("prompt_tokens"):
-        return detail  # an earlier turn already differed: the prompts differ, logits are not comparable
-    ids = record["output_ids"], plain_record["output_ids"]
-    if position >= min(len(ids[0]), len(ids[1])):  # one output stopped earlier
-        _say(f"!!! GREEDY MISMATCH: {record['method']} {record['question_id']}: lengths differ at token {position}")
-        return detail
-    inputs, _ = encode(model_set, messages, settings.max_new_tokens)
-    prefix = torch.tensor([plain_record["output_ids"][:position]], dtype=torch.long, device=inputs["input_ids"].device)
-    sequence = torch.cat([inputs["input_ids"], prefix], dim=1)
-    logits = model_set.target(sequence, logits_to_keep=1).logits[0, -1].float()
-    method_logit, plain_logit = float(logits[ids[0][position]]), float(logits[ids[1][position]])
-    gap = abs(plain_logit - method_logit)
-    bits = MANTISSA_BITS.get(model_set.target.dtype, 24)
-    relative_gap = gap / max(abs(plain_logit), abs(method_logit), 1e-12)
-    near_tie = relative_gap <= NEAR_TIE_ULPS * 2.0 ** (1 - bits)
-    detail.update(method_logit=method_logit, plain_logit=plain_logit, relative_gap=relative_gap, near_tie=near_tie)
-    _say(
-        f"!!! GREEDY MISMATCH: {record['method']} {record['question_id']} turn {record['turn'] + 1} at new token "
-        f"{position}: logits {method_logit:.4f} (method) vs {plain_logit:.4f} (plain), "
-        f"{'a numeric near-tie' if near_tie else 'NOT a near-tie'}"
-    )
-    return detail
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,152 @@
+"""One timed call of the benchmark: a question turn encoded, one ``generate`` timed, a greedy
+mismatch with plain generate told apart from a numeric near-tie."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+
+import torch
+
+from . import prompts as prompt_sets
+from ..harness import timed_call
+from ..model_sets import ModelSet
+from .methods import Method
+from .report import first_difference
+from .settings import DECODINGS, BenchSettings
+
+
+def encode(model_set: ModelSet, messages: list[dict], max_new_tokens: int) -> tuple[dict, int]:
+    """Chat-templated inputs (``add_generation_prompt=True``), cut to the model's context if needed;
+    also returns how many prompt tokens were cut."""
+    encoded = model_set.tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, return_dict=True, return_tensors="pt"
+    )
+    input_ids = encoded["input_ids"]
+    attention_mask = encoded.get("attention_mask")
+    if attention_mask is None:
+        attention_mask = torch.ones_like(input_ids)
+    cut = 0
+    if model_set.context_length is not None:
+        room = model_set.context_length - max_new_tokens
+        if room < 1:
+            raise ValueError(f"max_new_tokens={max_new_tokens} leaves no room for a prompt in this model's context")
+        cut = max(0, input_ids.shape[1] - room)
+        input_ids, attention_mask = input_ids[:, cut:], attention_mask[:, cut:]
+    device = next(model_set.target.parameters()).device
+    return {"input_ids": input_ids.to(device), "attention_mask": attention_mask.to(device)}, cut
+
+
+def messages_for(question: prompt_sets.Question, turn: int, answers: list[str]) -> list[dict]:
+    """The chat for ``turn``: earlier user turns each followed by this method's own answer."""
+    messages = []
+    for index in range(turn):
+        messages.append({"role": "user", "content": question.turns[index]})
+        messages.append({"role": "assistant", "content": answers[index]})
+    messages.append({"role": "user", "content": question.turns[turn]})
+    return messages
+
+
+def decoding_options(settings: BenchSettings, max_new_tokens: int | None = None) -> dict:
+    return {**DECODINGS[settings.decoding], "max_new_tokens": max_new_tokens or settings.max_new_tokens}
+
+
+def _level_rows(stats, labels: Sequence[str] = ()) -> list[dict] | None:
+    if stats is None:
+        return None
+    rows = []
+    for index, level in enumerate(stats.levels):
+        rows.append(
+            {
+                "name": level.name,
+                "label": f"M{index + 1} {labels[index]}" if index < len(labels) else level.name,
+                "role": level.role,
+                "forward_passes": level.forward_passes,
+                "verifications": level.verifications,
+                "drafted": level.drafted,
+                "accepted": level.accepted,
+                "proposed": level.proposed,
+                "seconds": level.seconds,
+                "mean_acceptance_length": level.mean_acceptance_length,
+                "acceptance_lengths": list(level.acceptance_lengths),
+            }
+        )
+    return rows
+
+
+def generate_once(
+    method: Method, model_set: ModelSet, messages: list[dict], settings: BenchSettings, seed: int | None,
+    max_new_tokens: int | None = None,
+) -> dict:
+    """One timed ``generate`` call; the measurements as a dict (no cache keys)."""
+    inputs, cut = encode(model_set, messages, max_new_tokens or settings.max_new_tokens)
+    options = {**model_set.generate_options, **decoding_options(settings, max_new_tokens)}
+    prompt_length = inputs["input_ids"].shape[1]
+    if seed is not None:
+        torch.manual_seed(seed)
+    timing = timed_call(lambda: method.run(model_set.target, inputs, options), target=model_set.target)
+    sequences, seconds = timing.output, timing.seconds
+    if not isinstance(sequences, torch.Tensor):  # a ModelOutput
+        sequences = sequences.sequences
+    new = sequences[0, prompt_length:].tolist()
+    stats = method.stats(model_set.target)
+    return {
+        "prompt_tokens": prompt_length,
+        "prompt_cut": cut,
+        "new_tokens": len(new),
+        "seconds": seconds,
+        "tokens_per_second": len(new) / seconds if seconds > 0 else None,
+        "target_forwards": timing.target_forwards,
+        "output_ids": new,
+        "output_text": model_set.tokenizer.decode(new, skip_special_tokens=True),
+        "seed": seed,
+        "rss_before_mib": timing.rss_before_mib,
+        "rss_after_mib": timing.rss_after_mib,
+        "rss_peak_mib": timing.rss_peak_mib,
+        "levels": _level_rows(stats, method.level_labels),
+    }
+
+
+def _say(message: str) -> None:
+    from tqdm.auto import tqdm
+
+    tqdm.write(message, file=sys.stderr)
+
+
+NEAR_TIE_ULPS = 2
+MANTISSA_BITS = {torch.bfloat16: 8, torch.float16: 11, torch.float32: 24}
+
+
+@torch.no_grad()
+def mismatch_detail(record, plain_record, model_set: ModelSet, messages, settings: BenchSettings) -> dict | None:
+    """None if the greedy output equals plain generate's; else where it first differs and the
+    target's logits of the two tokens there (one full forward over the common prefix), so a bf16
+    near-tie is told apart from a bug."""
+    if plain_record is None:
+        return None
+    position = first_difference(record["output_ids"], plain_record["output_ids"])
+    if position is None:
+        return None
+    detail = {"position": position}
+    if record["turn"] > 0 and record.get("prompt_tokens") != plain_record.get("prompt_tokens"):
+        return detail  # an earlier turn already differed: the prompts differ, logits are not comparable
+    ids = record["output_ids"], plain_record["output_ids"]
+    if position >= min(len(ids[0]), len(ids[1])):  # one output stopped earlier
+        _say(f"!!! GREEDY MISMATCH: {record['method']} {record['question_id']}: lengths differ at token {position}")
+        return detail
+    inputs, _ = encode(model_set, messages, settings.max_new_tokens)
+    prefix = torch.tensor([plain_record["output_ids"][:position]], dtype=torch.long, device=inputs["input_ids"].device)
+    sequence = torch.cat([inputs["input_ids"], prefix], dim=1)
+    logits = model_set.target(sequence, logits_to_keep=1).logits[0, -1].float()
+    method_logit, plain_logit = float(logits[ids[0][position]]), float(logits[ids[1][position]])
+    gap = abs(plain_logit - method_logit)
+    bits = MANTISSA_BITS.get(model_set.target.dtype, 24)
+    relative_gap = gap / max(abs(plain_logit), abs(method_logit), 1e-12)
+    near_tie = relative_gap <= NEAR_TIE_ULPS * 2.0 ** (1 - bits)
+    detail.update(method_logit=method_logit, plain_logit=plain_logit, relative_gap=relative_gap, near_tie=near_tie)
+    _say(
+        f"!!! GREEDY MISMATCH: {record['method']} {record['question_id']} turn {record['turn'] + 1} at new token "
+        f"{position}: logits {method_logit:.4f} (method) vs {plain_logit:.4f} (plain), "
+        f"{'a numeric near-tie' if near_tie else 'NOT a near-tie'}"
+    )
+    return detail

@@ -1,0 +1,83 @@
+"""The machine a measurement ran on: CPU, cores, memory, library versions, git commit, command line.
+
+Every number the tools write is stored next to this description, because cost ratios measured on
+one machine do not carry over to another.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+
+def command_line() -> str:
+    """This process's command line, as typed (``python -m hf_polybasic.tools.bench`` for the module)."""
+    program = sys.argv[0] if sys.argv else "python"
+    if program.endswith("__main__.py"):
+        head = ["python", "-m", "hf_polybasic.tools.bench"]
+    else:
+        head = [Path(program).name]
+    return shlex.join(head + sys.argv[1:])
+
+
+def machine_info() -> dict:
+    """CPU model, cores, memory, library versions, git commit and load at the start of the run."""
+    import transformers
+
+    from .. import __version__
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as handle:
+            for line in handle:
+                if line.lower().startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    info = {
+        "cpu": cpu,
+        "logical_cores": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "hf_polybasic": __version__,
+    }
+    try:
+        import psutil
+
+        info["physical_cores"] = psutil.cpu_count(logical=False)
+        info["memory_gib"] = round(psutil.virtual_memory().total / 2**30, 1)
+        info["psutil"] = psutil.__version__
+    except ImportError:  # pragma: no cover
+        pass
+    if hasattr(os, "getloadavg"):
+        info["load_average_at_start"] = [round(x, 2) for x in os.getloadavg()]
+    info.update(_git_state())
+    return info
+
+
+def _git_state() -> dict:
+    root = Path(__file__).resolve().parents[2]
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    return {"git_commit": commit, "git_dirty": bool(dirty)}

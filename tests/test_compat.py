@@ -1,0 +1,153 @@
+"""Each function of `hf_polybasic.compat` does what it stands for on the installed transformers.
+
+These are the tests that fail first when a transformers release changes an internal we rely on.
+"""
+
+import pytest
+import torch
+from transformers import GenerationConfig, StaticCache
+from transformers.cache_utils import DynamicSlidingWindowLayer
+from transformers.generation import logits_process as lp
+
+from hf_polybasic import compat
+from hf_polybasic.testing import make_target, prompt
+
+
+def _full_logits(model, ids):
+    return model(ids).logits[0]
+
+
+# --- caches ---------------------------------------------------------------------------------------
+def test_new_cache_has_sliding_layers_where_the_config_says_and_is_dynamic():
+    model = make_target("gemma3", seed=1)
+    cache = compat.new_dynamic_cache(model)
+    assert compat.is_dynamic_cache(cache)
+    kinds = [isinstance(layer, DynamicSlidingWindowLayer) for layer in cache.layers]
+    assert kinds == [layer == "sliding_attention" for layer in model.config.layer_types]
+    assert compat.unrollable_layer(cache) is None
+
+
+def test_static_caches_and_foreign_layers_are_recognised():
+    model = make_target("llama", seed=1)
+    assert not compat.is_dynamic_cache(StaticCache(config=model.config, max_cache_len=16))
+    cache = compat.new_dynamic_cache(model)
+
+    class RecurrentLayer:
+        pass
+
+    cache.layers.append(RecurrentLayer())
+    assert compat.unrollable_layer(cache) == (len(cache.layers) - 1, "RecurrentLayer")
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_removing_tokens_beyond_the_window_and_refeeding_reproduces_a_full_forward(arch):
+    """Sliding window 6; 14 tokens cached, the last 9 removed (more than the window), then re-fed."""
+    model = make_target(arch, seed=2)
+    ids = prompt(14, seed=3)
+    cache = compat.new_dynamic_cache(model)
+    compat.record_past_states(cache)
+    model(ids[:, :10], past_key_values=cache, use_cache=True)
+    model(ids[:, 10:], past_key_values=cache, use_cache=True)
+    compat.remove_last_tokens(cache, 9)
+    assert cache.get_seq_length() == 5
+    refed = model(ids[:, 5:], past_key_values=cache, use_cache=True, position_ids=torch.arange(5, 14)[None]).logits[0]
+    torch.testing.assert_close(refed, _full_logits(model, ids)[5:], rtol=1e-4, atol=1e-4)
+
+
+def test_restricting_sliding_layers_bounds_them_to_the_window_and_skips_empty_layers():
+    model = make_target("gemma3", seed=4)
+    window = model.config.sliding_window
+    empty = compat.new_dynamic_cache(model)
+    compat.record_past_states(empty)
+    compat.restrict_sliding_layers(empty)  # no layer has seen a token: nothing to do, no error
+    cache = compat.new_dynamic_cache(model)
+    compat.record_past_states(cache)
+    model(prompt(12, seed=5), past_key_values=cache, use_cache=True)
+    stored = [layer.keys.shape[-2] for layer in cache.layers if isinstance(layer, DynamicSlidingWindowLayer)]
+    assert max(stored) > window  # recorded past
+    compat.restrict_sliding_layers(cache)
+    stored = [layer.keys.shape[-2] for layer in cache.layers if isinstance(layer, DynamicSlidingWindowLayer)]
+    assert max(stored) <= window
+    assert cache.get_seq_length() == 12
+
+
+# --- models ------------------------------------------------------------------------------------------
+def test_logits_to_keep_and_statefulness():
+    model = make_target("llama", seed=1)
+    assert compat.accepts_logits_to_keep(model)
+    assert not compat.is_stateful(model)
+
+    class Recurrent(torch.nn.Module):
+        _is_stateful = True
+
+    assert compat.is_stateful(Recurrent())
+
+
+def test_a_gguf_quantizer_is_detached_so_the_model_saves(tmp_path):
+    model = make_target("llama", seed=1)
+    model.hf_quantizer = object()
+    model.config.quantization_config = {"quant_method": "gguf"}
+    compat.detach_gguf_quantizer(model)
+    assert model.hf_quantizer is None and not hasattr(model.config, "quantization_config")
+    model.save_pretrained(tmp_path)
+
+
+# --- generate ----------------------------------------------------------------------------------------
+def test_prepared_pad_token_is_preferred_and_user_configs_are_marked():
+    config = GenerationConfig(pad_token_id=3)
+    assert compat.prepared_pad_token_id(config) == 3
+    config._pad_token_tensor = torch.tensor(7)
+    assert int(compat.prepared_pad_token_id(config)) == 7
+    compat.mark_as_user_config(config)
+    assert config._from_model_config is False
+
+
+# --- logits processors -----------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "processor, attribute",
+    [
+        (lp.MinLengthLogitsProcessor(10, eos_token_id=2), "min_length"),
+        (lp.MinNewTokensLengthLogitsProcessor(5, 3, eos_token_id=2), "prompt_length_to_skip"),
+        (lp.ForcedEOSTokenLogitsProcessor(20, eos_token_id=2), "max_length"),
+        (lp.SuppressTokensAtBeginLogitsProcessor([4], begin_index=6), "begin_index"),
+    ],
+)
+def test_positions_shift_on_a_copy(processor, attribute):
+    before = getattr(processor, attribute)
+    shifted = compat.shift_positions(processor, 4)
+    assert getattr(shifted, attribute) == before - 4 and getattr(processor, attribute) == before
+    assert compat.shift_positions(processor, 0) is processor
+
+
+def test_processors_without_positions_are_not_copied():
+    warper = lp.TemperatureLogitsWarper(0.5)
+    assert compat.shift_positions(warper, 3) is warper
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(do_sample=False),
+        dict(do_sample=False, repetition_penalty=1.3),
+        dict(do_sample=True, temperature=0.7),
+        dict(do_sample=True, temperature=0.7, top_k=5, top_p=0.9, repetition_penalty=1.3),
+        dict(do_sample=True, top_k=0, min_p=0.1),
+    ],
+)
+def test_planner_processors_give_generates_processed_scores(options):
+    """The processors and defaults the planner rebuilds score exactly as `generate`'s own."""
+    model = make_target("llama", seed=6)
+    ids = prompt(6, seed=7)
+    torch.manual_seed(0)
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=1, output_scores=True,
+                         output_logits=True, return_dict_in_generate=True, **options)
+    processors = compat.decoding_processors(compat.resolved_decoding(model, **options))
+    rebuilt = processors(ids, out.logits[0].clone())
+    torch.testing.assert_close(rebuilt, out.scores[0])
+
+
+def test_decoding_defaults_are_transformers_defaults():
+    model = make_target("llama", seed=1)
+    assert compat.resolved_decoding(model)["do_sample"] is False
+    sampling = compat.resolved_decoding(model, do_sample=True, temperature=0.7)
+    assert sampling["top_k"] == 50 and sampling["temperature"] == 0.7
