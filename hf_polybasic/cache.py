@@ -70,8 +70,8 @@ class CachedModel:
     Attributes:
         length: tokens of the current sequence whose keys/values are cached.
         forward_passes: forward calls made (F_i in the paper).
-        forward_log: ``(tokens fed, seconds)`` of every forward, in order: what it costs to score k
-            tokens on this machine (`hf_polybasic.costs` learns cost curves from it).
+        cost_observer: told ``observe(tokens fed, seconds)`` after every forward, when set (a
+            `hf_polybasic.costs.CostEstimate` following what forwards cost on this machine now).
     """
 
     def __init__(
@@ -93,7 +93,7 @@ class CachedModel:
             compat.record_past_states(cache)
         self.length = cache.get_seq_length() if cache is not None else 0
         self.forward_passes = 0
-        self.forward_log: list[tuple[int, float]] = []
+        self.cost_observer = None
         self.input_vocabulary = input_vocabulary_size(model)
         self._accepts_logits_to_keep = compat.accepts_logits_to_keep(model)
 
@@ -120,7 +120,8 @@ class CachedModel:
                     input_ids=inputs, position_ids=positions, past_key_values=self.cache, use_cache=True, **kwargs
                 )
             logits = outputs.logits[0, -num_positions:, : self.vocab_limit].float()
-        self.forward_log.append((int(fed.shape[0]), span.seconds))
+        if self.cost_observer is not None:
+            self.cost_observer.observe(int(fed.shape[0]), span.seconds)
         self.forward_passes += 1
         self.length = total
         if self.vocab_limit is not None and logits.shape[-1] < self.vocab_limit:

@@ -28,6 +28,7 @@ import torch
 from .cache import CachedModel, model_label
 from .compat import new_dynamic_cache
 from .config import MAX_BLOCK_THRESHOLD, MAX_DRAFT_TOKENS, PolybasicConfig
+from .costs import CostCurves, CostEstimate
 from .drafters import Drafter
 from .drafting import DrafterLevel, ModelDrafter
 from .processing import DecodingRules, process_positions
@@ -89,7 +90,6 @@ class Verifier:
                 accepted, next_token = greedy_verify(proposal.tokens, scores)
             self.stats.record_verification(len(proposal), accepted)
             self.runner.rollback_to(start + accepted)
-        self.stats.forward_passes = self.runner.forward_passes
         self.child.verified(accepted, span.seconds)
         tokens = torch.cat([proposal.tokens[:accepted], proposal.tokens.new_tensor([next_token])])
         return Round(tokens=tokens, scores=scores[: accepted + 1], logits=logits[: accepted + 1])
@@ -159,6 +159,33 @@ def level_names(target: torch.nn.Module, assistant_models: Sequence) -> list[str
     ]
 
 
+@dataclass
+class Chain:
+    """A built chain: its top `Verifier` (the target), the call's statistics, and per level its
+    model runner (None for a `Drafter`), schedule (None for the target and a `Drafter`) and cost
+    estimate (None unless the schedule is cost-aware)."""
+
+    top: Verifier
+    stats: PolybasicStats
+    runners: list
+    schedules: list
+    estimates: list
+
+    def finish(self, costs: CostCurves | None = None) -> PolybasicStats:
+        """Fill in what the levels counted (forward passes, rounds sat out, forward costs) and let
+        ``costs`` learn what the forwards of this call cost."""
+        for level, runner, schedule, estimate in zip(self.stats.levels, self.runners, self.schedules, self.estimates):
+            if runner is not None:
+                level.forward_passes = runner.forward_passes
+            if schedule is not None:
+                level.paused_rounds = schedule.paused_rounds
+            if estimate is not None:
+                level.forward_costs = estimate.snapshot()
+                if costs is not None:
+                    costs.refresh(runner.model, estimate)
+        return self.stats
+
+
 def build_chain(
     target: torch.nn.Module,
     assistant_models: Sequence,
@@ -167,34 +194,49 @@ def build_chain(
     target_cache,
     parts: ChainParts = ChainParts(),
     clock: Clock = DEFAULT_CLOCK,
-) -> tuple[Verifier, PolybasicStats]:
-    """The chain M1 > M2 > ... > Mn, with a fresh cache for every assistant model; returns its top
-    `Verifier` (the target, over ``target_cache``, None when ``use_cache=False``) and the call's
-    statistics, one `LevelStats` per model."""
+    costs: CostCurves | None = None,
+) -> Chain:
+    """The chain M1 > M2 > ... > Mn, with a fresh cache for every assistant model and the target's
+    ``target_cache`` (None when ``use_cache=False``). Under the cost-aware schedule every model's
+    cost curve comes from ``costs`` (measured on first use) and each schedule sees its parent's."""
     names = level_names(target, assistant_models)
     roles = ["target"] + ["intermediate"] * (len(assistant_models) - 1) + ["drafter"]
     stats = PolybasicStats(levels=[LevelStats(name=name, role=role) for name, role in zip(names, roles)])
     vocab = target.config.get_text_config(decoder=True).vocab_size
     greedy_intermediates = config.verification == "greedy"
+    models = [target, *assistant_models]
+    runners = [CachedModel(target, target_cache, role=f"target {names[0]}", clock=clock)] + [
+        None if isinstance(model, Drafter)
+        else CachedModel(model, new_dynamic_cache(model), role=f"assistant_models[{i}] ({names[i + 1]})",
+                         vocab_limit=vocab, clock=clock)
+        for i, model in enumerate(assistant_models)
+    ]
+    estimates = [None] * len(models)
+    if config.schedule == "cost_aware" and costs is not None:
+        for index, runner in enumerate(runners):
+            if runner is not None:
+                estimates[index] = runner.cost_observer = CostEstimate(costs.curve_for(models[index], clock))
+    schedules = [None] * len(models)
 
-    def runner(index: int, model) -> CachedModel:
-        role = f"assistant_models[{index}] ({names[index + 1]})"
-        return CachedModel(model, new_dynamic_cache(model), role=role, vocab_limit=vocab, clock=clock)
-
-    bottom = len(assistant_models) - 1
-    if isinstance(assistant_models[bottom], Drafter):
-        level = parts.drafter_level(assistant_models[bottom], rules, stats.levels[-1], clock)
+    bottom = len(models) - 1
+    if runners[bottom] is None:
+        level = parts.drafter_level(models[bottom], rules, stats.levels[bottom], clock)
     else:
-        schedule = ProposalSchedule(config.schedule, config.num_draft_tokens, MAX_DRAFT_TOKENS, stops_early=True)
+        own = estimates[bottom]
+        schedules[bottom] = ProposalSchedule(
+            config.schedule, config.num_draft_tokens, MAX_DRAFT_TOKENS, stops_early=True,
+            verifier_costs=estimates[bottom - 1], step_seconds=None if own is None else own.seconds(1),
+        )
         # below a greedy intermediate level, sampled drafts would only lower its acceptance
-        samples = rules.do_sample and not (greedy_intermediates and bottom > 0)
-        level = parts.model_drafter(runner(bottom, assistant_models[bottom]), rules, stats.levels[-1], schedule, samples, clock)
-    thresholds = config.thresholds_for(bottom)
-    for index in range(bottom - 1, -1, -1):  # intermediate levels, bottom-up
+        samples = rules.do_sample and not (greedy_intermediates and bottom > 1)
+        level = parts.model_drafter(runners[bottom], rules, stats.levels[bottom], schedules[bottom], samples, clock)
+    thresholds = config.thresholds_for(bottom - 1)
+    for index in range(bottom - 1, 0, -1):  # intermediate levels, bottom-up
         samples = rules.do_sample and not greedy_intermediates
-        verifier = parts.verifier(runner(index, assistant_models[index]), level, rules, stats.levels[index + 1], samples, clock)
-        schedule = ProposalSchedule(config.schedule, thresholds[index], MAX_BLOCK_THRESHOLD)
-        level = parts.intermediate(verifier, schedule, clock)
-    target_runner = CachedModel(target, target_cache, role=f"target {names[0]}", clock=clock)
-    top = parts.verifier(target_runner, level, rules, stats.levels[0], rules.do_sample, clock)
-    return top, stats
+        verifier = parts.verifier(runners[index], level, rules, stats.levels[index], samples, clock)
+        schedules[index] = ProposalSchedule(
+            config.schedule, thresholds[index - 1], MAX_BLOCK_THRESHOLD, verifier_costs=estimates[index - 1]
+        )
+        level = parts.intermediate(verifier, schedules[index], clock)
+    top = parts.verifier(runners[0], level, rules, stats.levels[0], rules.do_sample, clock)
+    return Chain(top, stats, runners, schedules, estimates)

@@ -1,18 +1,35 @@
 """What a forward pass costs on this machine: measured, as a function of the tokens it scores.
 
-A forward pass that scores k new tokens against a warm cache costs T(k) seconds. Speculative
-decoding assumes T(k) is about T(1) for small k, which holds on GPUs and on CPUs with fast small
-matrix products but not everywhere (an fp32 or emulated-bf16 forward can cost several times a
-step at k = 8), so costs are measured, never assumed.
+A forward pass that scores k new tokens against a warm cache costs T(k) seconds: a drafting step is
+T(1), a verification of k drafts T(k + 1). Speculative decoding assumes T(k) is about T(1) for
+small k. That holds on GPUs and on CPUs with fast small matrix products, but not everywhere: on a
+CPU without bf16 units a bf16 forward over k tokens costs about k steps, and fp32 products of a
+few rows can take a slow kernel (docs: *Speed on your machine*). So costs are measured, never
+assumed:
 
-* `forward_cost`: the median seconds of one forward of k tokens after a cached prefix;
-* `nondecreasing`, `interpolate_cost`: a cost curve from measured points (isotonic, then linear).
+* `CostCurve`: T(k) of one model on one machine, from measured points (isotonic, then linear);
+* `measure_curve`: measures one, in a second or a few (forwards of 1, 2, 4, 8 and 16 tokens);
+* `CostCurves`: the curves of the models a process uses, measured once per (model, dtype,
+  device, threads, machine), kept on disk (``$HF_POLYBASIC_COSTS``, default
+  ``~/.cache/hf_polybasic/costs``) and refreshed from the forwards decoding makes;
+* `CostEstimate`: T(k) of one model during one call: the curve's shape, its level set by the
+  forwards just made (a busy machine scales every cost alike);
+* `forward_cost`, `nondecreasing`, `interpolate_cost`: the measuring and fitting primitives.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import logging
+import math
+import os
+import platform
 import statistics
+import threading
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -20,7 +37,19 @@ from .cache import CachedModel
 from .compat import new_dynamic_cache
 from .timing import DEFAULT_CLOCK, Clock, timed
 
+log = logging.getLogger("hf_polybasic")
 
+MEASURED_TOKENS = (1, 2, 4, 8, 16)
+CALIBRATION_CONTEXT = 64
+# forwards feeding more tokens than this (prefills, long catch-ups) do not update an estimate
+ONLINE_MAX_TOKENS = 32
+# weight of the newest forward in the running scale of an estimate
+ONLINE_DECAY = 0.8
+COSTS_DIRECTORY_VARIABLE = "HF_POLYBASIC_COSTS"
+CURVE_FORMAT = 1
+
+
+# --- primitives ------------------------------------------------------------------------------------
 def _synchronize(model: torch.nn.Module) -> None:
     device = next(model.parameters()).device
     if device.type == "cuda":
@@ -33,19 +62,23 @@ def forward_cost(
 ) -> float:
     """Median seconds of a forward pass feeding ``num_tokens`` tokens after a cached ``prefix``
     (``[L]`` or ``[1, L]``); one untimed run first warms up."""
-    prefix = prefix.reshape(-1)
-    runner = CachedModel(model, new_dynamic_cache(model), role="profiled model", clock=clock)
-    runner.logits(prefix, 1)  # prefill: the cache now holds the prefix
+    return statistics.median(_forward_times(model, prefix.reshape(-1), num_tokens, repeats, clock))
+
+
+def _forward_times(model, prefix: torch.LongTensor, num_tokens: int, repeats: int, clock: Clock, runner=None) -> list:
+    if runner is None:
+        runner = CachedModel(model, new_dynamic_cache(model), role="measured model", clock=clock)
+        runner.logits(prefix, 1)  # prefill: the cache now holds the prefix
     sequence = torch.cat([prefix, prefix[-1:].repeat(num_tokens)])
     times = []
-    for _ in range(repeats + 1):
+    for _ in range(repeats + 1):  # the first run warms up and is dropped
         runner.rollback_to(prefix.shape[0])
         _synchronize(model)
         with timed(clock) as span:
             runner.logits(sequence, num_tokens)
             _synchronize(model)  # on a GPU, time the forward pass, not just its kernel launches
         times.append(span.seconds)
-    return statistics.median(times[1:])
+    return times[1:]
 
 
 def nondecreasing(values: Sequence[float]) -> list[float]:
@@ -81,3 +114,244 @@ def interpolate_cost(points: Mapping[int, float], k: float) -> float:
     upper = min(max(upper, 1), len(ks) - 1)
     k0, k1, y0, y1 = ks[upper - 1], ks[upper], ys[upper - 1], ys[upper]
     return float(max(y0 + (y1 - y0) * (k - k0) / (k1 - k0), 0.0))
+
+
+# --- what a curve belongs to ---------------------------------------------------------------------
+def machine_description() -> dict:
+    """What a cost depends on besides the model: CPU, the kernels torch picks, threads, versions."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as handle:
+            cpu = next((line.split(":", 1)[1].strip() for line in handle if line.lower().startswith("model name")), cpu)
+    except OSError:
+        pass
+    return {
+        "cpu": cpu,
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        "environment": {key: os.environ[key] for key in sorted(os.environ) if key in _KERNEL_VARIABLES},
+    }
+
+
+# environment variables that change which kernels run (and so what a forward costs)
+_KERNEL_VARIABLES = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS", "OMP_NUM_THREADS")
+
+
+def model_description(model: torch.nn.Module) -> dict:
+    """What a forward's cost depends on in the model: its shape, dtypes, devices and the kinds of
+    its linear layers (a quantized or packed layer costs differently), not its weights' values."""
+    text = model.config.get_text_config(decoder=True)
+    shape = {
+        name: getattr(text, name, None)
+        for name in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                     "num_key_value_heads", "vocab_size", "head_dim", "sliding_window")
+    }
+    kinds: dict[str, int] = {}
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear) or "Linear" in type(module).__name__:
+            kinds[type(module).__name__] = kinds.get(type(module).__name__, 0) + 1
+    tensors = list(model.parameters()) + list(model.buffers())
+    return {
+        "class": type(model).__name__,
+        "shape": shape,
+        "dtypes": sorted({str(t.dtype).replace("torch.", "") for t in tensors}),
+        "devices": sorted({str(t.device) for t in tensors}),
+        "linear_kinds": kinds,
+    }
+
+
+def cost_key(model: torch.nn.Module) -> str:
+    """A short key for (model shape and kinds, machine): curves are stored under it."""
+    text = json.dumps({"model": model_description(model), "machine": machine_description()}, sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:20]
+
+
+# --- curves ------------------------------------------------------------------------------------------
+@dataclass
+class CostCurve:
+    """T(k): seconds of one forward of a model scoring k new tokens against a warm cache.
+
+    Attributes:
+        points: measured ``{k: seconds}``; in between and beyond, `interpolate_cost`.
+        context: tokens in the cache when the points were measured.
+        description: the model and machine the curve belongs to (for people reading it).
+        observations: forwards of decoding that refreshed the points since they were measured.
+    """
+
+    points: dict[int, float]
+    context: int = CALIBRATION_CONTEXT
+    description: dict = field(default_factory=dict)
+    observations: int = 0
+
+    def seconds(self, k: float) -> float:
+        return interpolate_cost(self.points, k)
+
+    def ratio(self, k: float) -> float:
+        """T(k) / T(1): what scoring k tokens costs in steps."""
+        return self.seconds(k) / max(self.seconds(1), 1e-12)
+
+    def to_dict(self) -> dict:
+        return {
+            "format": CURVE_FORMAT,
+            "points": {str(k): v for k, v in sorted(self.points.items())},
+            "context": self.context,
+            "description": self.description,
+            "observations": self.observations,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping) -> CostCurve:
+        if data.get("format") != CURVE_FORMAT:
+            raise ValueError(f"not a cost curve of format {CURVE_FORMAT}")
+        points = {int(k): float(v) for k, v in data["points"].items()}
+        if not points or any(k < 1 or not v > 0 for k, v in points.items()):
+            raise ValueError(f"a cost curve needs seconds > 0 for k >= 1 tokens, got {points}")
+        return cls(points, int(data.get("context", CALIBRATION_CONTEXT)), dict(data.get("description", {})),
+                   int(data.get("observations", 0)))
+
+
+@torch.no_grad()
+def measure_curve(
+    model: torch.nn.Module,
+    tokens: Sequence[int] = MEASURED_TOKENS,
+    context: int = CALIBRATION_CONTEXT,
+    repeats: int = 2,
+    clock: Clock = DEFAULT_CLOCK,
+) -> CostCurve:
+    """Measure T(k) of ``model`` for each k in ``tokens`` after ``context`` cached tokens (the
+    median of ``repeats`` forwards after a warm-up each); uses its own cache, changes nothing."""
+    vocab = model.config.get_text_config(decoder=True).vocab_size
+    device = next(model.parameters()).device
+    prefix = (torch.arange(context, device=device) * 7919 % max(vocab - 3, 1)) + 3
+    runner = CachedModel(model, new_dynamic_cache(model), role="measured model", clock=clock)
+    runner.logits(prefix, 1)
+    points = {int(k): statistics.median(_forward_times(model, prefix, int(k), repeats, clock, runner)) for k in tokens}
+    points = {k: max(seconds, 1e-9) for k, seconds in points.items()}
+    return CostCurve(points, context, {"model": model_description(model), "machine": machine_description()})
+
+
+def default_directory() -> Path | None:
+    """Where curves are kept: ``$HF_POLYBASIC_COSTS`` (empty: nowhere), else ``~/.cache/hf_polybasic/costs``."""
+    value = os.environ.get(COSTS_DIRECTORY_VARIABLE)
+    if value is not None:
+        return Path(value).expanduser() if value.strip() else None
+    return Path.home() / ".cache" / "hf_polybasic" / "costs"
+
+
+DEFAULT_DIRECTORY = object()  # CostCurves' default: `default_directory()`, read when first needed
+
+
+class CostEstimate:
+    """T(k) of one model during one call: the curve's shape, scaled by what its forwards cost now.
+
+    Every forward of at most `ONLINE_MAX_TOKENS` tokens updates the scale (a running, decayed mean
+    of observed / predicted, in log space); longer ones (prefills, catch-ups) are left out.
+    """
+
+    def __init__(self, curve: CostCurve):
+        self.curve = curve
+        self._log_scale = 0.0
+        self._weight = 0.0
+        self.observed = 0
+
+    @property
+    def scale(self) -> float:
+        return math.exp(self._log_scale / self._weight) if self._weight else 1.0
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        if not 1 <= tokens <= ONLINE_MAX_TOKENS or seconds <= 0:
+            return
+        self._log_scale = ONLINE_DECAY * self._log_scale + math.log(seconds / self.curve.seconds(tokens))
+        self._weight = ONLINE_DECAY * self._weight + 1.0
+        self.observed += 1
+
+    def seconds(self, k: float) -> float:
+        return self.curve.seconds(k) * self.scale
+
+    def snapshot(self) -> dict[int, float]:
+        """``{k: seconds}`` at the measured k, as this call last saw them."""
+        return {k: self.seconds(k) for k in sorted(self.curve.points)}
+
+
+class CostCurves:
+    """The cost curves of the models a process uses: measured on first use of each (model, machine),
+    kept in memory and on disk, refreshed from the forwards of decoding.
+
+    Args:
+        directory: where curves are kept as JSON (None: memory only; the default: `default_directory`,
+            read when first needed).
+        measure: how a missing curve is measured (`measure_curve`).
+    """
+
+    def __init__(self, directory: Path | str | None | object = DEFAULT_DIRECTORY, measure=measure_curve):
+        self._directory = directory
+        self.measure = measure
+        self._curves: dict[str, CostCurve] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def directory(self) -> Path | None:
+        if self._directory is DEFAULT_DIRECTORY:
+            return default_directory()
+        return None if self._directory is None else Path(self._directory)
+
+    def _path(self, key: str) -> Path | None:
+        directory = self.directory
+        return None if directory is None else directory / f"{key}.json"
+
+    def curve_for(self, model: torch.nn.Module, clock: Clock = DEFAULT_CLOCK) -> CostCurve:
+        """The curve of ``model`` on this machine: from memory, else from disk, else measured now."""
+        key = cost_key(model)
+        with self._lock:
+            if key in self._curves:
+                return self._curves[key]
+            curve = self._load(key)
+            if curve is None:
+                log.info("hf_polybasic: measuring the forward costs of %s on this machine", type(model).__name__)
+                curve = self.measure(model, clock=clock)
+                self._save(key, curve)
+            self._curves[key] = curve
+            return curve
+
+    def refresh(self, model: torch.nn.Module, estimate: CostEstimate) -> None:
+        """Move the stored curve towards what ``estimate`` saw during a call (by its scale, weighted
+        by how many forwards it saw), so the next call starts from today's costs."""
+        if estimate.observed == 0:
+            return
+        key = cost_key(model)
+        with self._lock:
+            curve = self._curves.get(key)
+            if curve is None:
+                return
+            weight = min(1.0, estimate.observed / 50)
+            factor = estimate.scale**weight
+            curve.points = {k: v * factor for k, v in curve.points.items()}
+            curve.observations += estimate.observed
+            if abs(math.log(factor)) > 0.05:
+                self._save(key, curve)
+
+    def _load(self, key: str) -> CostCurve | None:
+        path = self._path(key)
+        if path is None or not path.is_file():
+            return None
+        try:
+            return CostCurve.from_dict(json.loads(path.read_text()))
+        except (OSError, ValueError, KeyError):
+            return None  # a torn or foreign file: measure again
+
+    def _save(self, key: str, curve: CostCurve) -> None:
+        path = self._path(key)
+        if path is None:
+            return
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            partial = path.with_name(path.name + ".partial")
+            partial.write_text(json.dumps(curve.to_dict(), indent=1) + "\n")
+            partial.replace(path)
+        except OSError as error:  # a read-only home: curves then live for this process only
+            log.warning("hf_polybasic: could not store a cost curve in %s (%s)", path.parent, error)
+
+
+DEFAULT_COST_CURVES = CostCurves()

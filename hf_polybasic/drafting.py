@@ -15,7 +15,7 @@ from .processing import DecodingRules, process_positions
 from .protocol import Block, Proposal
 from .schedule import ProposalSchedule
 from .stats import LevelStats
-from .timing import DEFAULT_CLOCK, Clock
+from .timing import DEFAULT_CLOCK, Clock, timed
 
 PROBABILITY_SUM_TOLERANCE = 1e-3
 
@@ -47,10 +47,15 @@ class ModelDrafter:
         block = Block(self.rules.eos_token_ids, min(self.schedule.length(), budget), sequence.device)
         self._start = sequence.shape[0]
         stops_per_token = self.schedule.stops_per_token
+        catch_up = 0.0  # seconds spent feeding tokens decided while this level sat out
         with self.stats.timed(self.clock) as span:
             while not block.closed:
                 grown = torch.cat([sequence, block.tokens])
-                logits = self.runner.logits(grown, 1).to(sequence.device)  # [1, V]
+                behind = grown.shape[0] - self.runner.length
+                with timed(self.clock) as forward:
+                    logits = self.runner.logits(grown, 1).to(sequence.device)  # [1, V]
+                if behind > 1:
+                    catch_up += forward.seconds * (behind - 1) / behind
                 scores = process_positions(self.rules.processors, grown, grown.shape[0], logits)
                 probs = scores.softmax(-1) if self.samples or stops_per_token else None
                 token = torch.multinomial(probs, 1)[0] if self.samples else scores.argmax(-1)  # [1]
@@ -60,9 +65,8 @@ class ModelDrafter:
                     break
         proposal = block.proposal()
         self._proposed = len(proposal)
-        self.schedule.observe_proposal(len(proposal), span.seconds)
+        self.schedule.observe_proposal(len(proposal), span.seconds - catch_up)
         self.stats.proposed += len(proposal)
-        self.stats.forward_passes = self.runner.forward_passes
         return proposal
 
     def proposal_probs(self, probs: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:

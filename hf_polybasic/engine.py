@@ -20,6 +20,7 @@ import torch
 from transformers.generation import LogitsProcessorList, StoppingCriteriaList
 
 from .chain import ChainParts, Verifier, build_chain
+from .costs import CostCurves
 from .drafters import Drafter
 from .processing import DecodingRules, processors_for_row
 from .request import Request
@@ -74,17 +75,20 @@ def decode_rows(
     stopping_criteria: StoppingCriteriaList,
     parts: ChainParts = ChainParts(),
     clock: Clock = DEFAULT_CLOCK,
+    costs: CostCurves | None = None,
 ) -> tuple[list[RowResult], PolybasicStats]:
-    """Decode each row with a chain of its own; the rows' results and their summed statistics."""
+    """Decode each row with a chain of its own; the rows' results and their summed statistics.
+    ``costs`` are the cost curves the cost-aware schedule uses (and refreshes)."""
     results, total = [], None
     warned = False  # about levels that disagree: once per call
     is_model = [True] + [not isinstance(m, Drafter) for m in request.assistants]
     for row, cache in zip(request.rows, request.caches):
         removed_padding = request.padded_width - row.shape[0]
         rules = DecodingRules(processors_for_row(processors, removed_padding), request.do_sample, request.eos_token_ids)
-        top, stats = build_chain(target, request.assistants, request.config, rules, cache, parts, clock)
+        chain = build_chain(target, request.assistants, request.config, rules, cache, parts, clock, costs)
         with timed(clock) as span:
-            result = decode_row(top, row, request.max_length - removed_padding, stopping_criteria, request)
+            result = decode_row(chain.top, row, request.max_length - removed_padding, stopping_criteria, request)
+        stats = chain.finish(costs)
         stats.seconds, stats.new_tokens = span.seconds, int(result.tokens.shape[0])
         results.append(result)
         warned = warned or warn_if_levels_disagree(stats, is_model)

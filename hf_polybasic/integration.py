@@ -20,6 +20,7 @@ from transformers.generation import StoppingCriteriaList, StopStringCriteria
 from .chain import ChainParts
 from .compat import streamer_of_calling_generate, warn_if_untested
 from .config import PolybasicConfig
+from .costs import DEFAULT_COST_CURVES, CostCurves
 from .engine import decode_rows
 from .outputs import PolybasicGenerateOutput, assemble_output
 from .request import check_request, resolve_config, validate_assistant_models
@@ -36,12 +37,17 @@ def last_stats(model: torch.nn.Module) -> PolybasicStats | None:
     return getattr(model, LAST_STATS_ATTRIBUTE, None)
 
 
-def make_generate(parts: ChainParts = ChainParts(), clock: Clock = DEFAULT_CLOCK) -> Callable:
-    """A `custom_generate` callable whose chains are built from ``parts`` and timed with ``clock``.
+def make_generate(
+    parts: ChainParts = ChainParts(), clock: Clock = DEFAULT_CLOCK, costs: CostCurves | None = DEFAULT_COST_CURVES
+) -> Callable:
+    """A `custom_generate` callable whose chains are built from ``parts``, timed with ``clock``,
+    and (under the cost-aware schedule) steered by the forward-cost curves in ``costs``.
 
-    `hf_polybasic.generate` is ``make_generate()``. Other parts (your own level classes) or a
-    simulated clock (`hf_polybasic.testing.SimulatedClock`, for deterministic tests of schedules
-    that react to timings) go here, instead of patching module globals.
+    `hf_polybasic.generate` is ``make_generate()``: the default parts, wall time, and cost curves
+    measured once per model and machine and kept on disk (`hf_polybasic.costs`). Other parts (your
+    own level classes), a simulated clock (`hf_polybasic.testing.SimulatedClock`, for deterministic
+    tests of schedules that react to timings) or other curves go here, instead of patching module
+    globals.
     """
 
     @torch.no_grad()
@@ -75,7 +81,7 @@ def make_generate(parts: ChainParts = ChainParts(), clock: Clock = DEFAULT_CLOCK
             model, input_ids, logits_processor, generation_config, assistant_models, polybasic_config,
             synced_gpus, streamer, model_kwargs,
         )
-        results, stats = decode_rows(model, request, logits_processor, stopping_criteria, parts, clock)
+        results, stats = decode_rows(model, request, logits_processor, stopping_criteria, parts, clock, costs)
         if streamer is not None:
             streamer.end()
         setattr(model, LAST_STATS_ATTRIBUTE, stats)

@@ -123,12 +123,23 @@ def early_exit(model: torch.nn.Module, num_layers: int) -> torch.nn.Module:
     if getattr(text_config, "layer_types", None) is not None:
         text_config.layer_types = list(text_config.layer_types[:num_layers])
 
-    short_base = copy.copy(base)  # new module object, same submodules
-    short_base._modules = dict(base._modules)
+    short_base = _module_view(base)
     short_base.layers = torch.nn.ModuleList(list(base.layers[:num_layers]))
     short_base.config = text_config
-    view = copy.copy(model)
-    view._modules = dict(model._modules)
+    view = _module_view(model)
     setattr(view, getattr(model, "base_model_prefix", "model"), short_base)
     view.config = config
+    return view
+
+
+def _module_view(module: torch.nn.Module) -> torch.nn.Module:
+    """A new module object over the same submodules and tensors, with registries of its own: hooks
+    later registered on ``module`` (e.g. a forward counter on the target) do not fire for the view."""
+    view = copy.copy(module)
+    for name, value in vars(module).items():
+        if isinstance(value, dict):
+            # submodule, parameter and buffer tables are copied (same objects inside); hook tables start empty
+            setattr(view, name, type(value)() if "hook" in name else type(value)(value))
+        elif isinstance(value, set):
+            setattr(view, name, set(value))
     return view

@@ -31,6 +31,10 @@ class LevelStats:
         accepted: of those, how many it accepted.
         acceptance_lengths: per verification, accepted + 1 (see module docstring).
         proposed: tokens this level handed up to the level above (0 for the target).
+        paused_rounds: rounds in which this level proposed nothing because, by the cost-aware
+            schedule's measurements, the level above decoding alone was faster (back-off).
+        forward_costs: this model's forward cost on this machine as the cost-aware schedule saw it
+            at the end of the call, ``{k: seconds}`` for k tokens scored (None for other schedules).
     """
 
     name: str
@@ -42,6 +46,8 @@ class LevelStats:
     accepted: int = 0
     acceptance_lengths: list[int] = field(default_factory=list)
     proposed: int = 0
+    paused_rounds: int = 0
+    forward_costs: dict[int, float] | None = None
 
     @contextmanager
     def timed(self, clock: Clock = DEFAULT_CLOCK) -> Iterator[Span]:
@@ -78,6 +84,8 @@ class LevelStats:
         self.accepted += other.accepted
         self.acceptance_lengths.extend(other.acceptance_lengths)
         self.proposed += other.proposed
+        self.paused_rounds += other.paused_rounds
+        self.forward_costs = other.forward_costs or self.forward_costs
 
 
 @dataclass
@@ -115,13 +123,24 @@ class PolybasicStats:
 
     def __str__(self) -> str:
         width = max(32, *(len(level.name) + 1 for level in self.levels))
-        header = f"{'level':<{width}} {'F_i':>6} {'drafted':>8} {'accepted':>9} {'L_i':>6} {'proposed':>9} {'seconds':>8}"
+        header = (
+            f"{'level':<{width}} {'F_i':>6} {'drafted':>8} {'accepted':>9} {'L_i':>6} {'proposed':>9} "
+            f"{'paused':>7} {'seconds':>8}"
+        )
         rows = [header]
         for level in self.levels:
             mean = level.mean_acceptance_length
             rows.append(
                 f"{level.name:<{width}} {level.forward_passes:>6} {level.drafted:>8} {level.accepted:>9} "
-                f"{(f'{mean:.2f}' if mean is not None else '-'):>6} {level.proposed:>9} {level.seconds:>8.3f}"
+                f"{(f'{mean:.2f}' if mean is not None else '-'):>6} {level.proposed:>9} {level.paused_rounds:>7} "
+                f"{level.seconds:>8.3f}"
             )
         rows.append(f"{self.new_tokens} new tokens in {self.seconds:.3f} s")
+        costs = [level for level in self.levels if level.forward_costs]
+        if costs:
+            ks = sorted(costs[0].forward_costs)
+            rows.append(f"forward cost on this machine, ms, scoring k = {', '.join(map(str, ks))} tokens:")
+            for level in costs:
+                cells = ", ".join(f"{1000 * level.forward_costs[k]:.1f}" for k in ks if k in level.forward_costs)
+                rows.append(f"  {level.name:<{width - 2}} {cells}")
         return "\n".join(rows)

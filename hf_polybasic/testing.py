@@ -116,3 +116,31 @@ def make_tokenizer(vocab: int = VOCAB):
     tokenizer.padding_side = "left"
     tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
     return tokenizer
+
+
+class SimulatedClock:
+    """A clock that stands still except when a charged model runs a forward pass.
+
+    Pass it to `hf_polybasic.integration.make_generate` (and to `hf_polybasic.costs.measure_curve`)
+    so that every timing the chain reads is a simulated cost: schedules that react to timings then
+    behave the same on every machine and every run. ``charge(model, cost)`` advances the clock by
+    ``cost(tokens)`` seconds at each forward of ``model`` over ``tokens`` new tokens.
+    """
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+    def charge(self, model, cost):
+        """Charge ``cost(tokens)`` seconds per forward of ``model``; returns the hook's handle."""
+
+        def hook(module, args, kwargs):
+            ids = kwargs.get("input_ids", args[0] if args else None)
+            self.advance(cost(int(ids.shape[-1])))
+
+        return model.register_forward_pre_hook(hook, with_kwargs=True)

@@ -30,6 +30,8 @@ MAX_EXTRA_FRACTION = 0.01
 # row is reported (models that share a tokenizer accept far more; different tokenizers about 1 / V)
 MIN_AGREEMENT = 0.02
 MIN_DRAFTS = 32
+# ... or, when the level below sat out most rounds (cost-aware back-off), at least this many
+MIN_PROBE_DRAFTS = 4
 
 
 def as_id_list(value) -> list[int]:
@@ -108,21 +110,25 @@ def _check_special_tokens(tokenizer, where: str, config) -> None:
 
 def warn_if_levels_disagree(stats, model_levels: list[bool]) -> bool:
     """Warn when a verifying level accepted almost none of the drafts of the model below it in one
-    row's decoding (rows of a batch may repeat one prompt, so their sum proves nothing); True if it warned.
+    row's decoding (rows of a batch may repeat one prompt, so their sum proves nothing): at least
+    `MIN_DRAFTS` drafts, or a few drafts after which the cost-aware schedule sat the level out for
+    most rounds. True if it warned.
 
     ``model_levels[i]`` tells whether level i (target first) is a model (a `Drafter` proposes only
     where it finds something to copy, so its low agreement is no sign of a tokenizer mismatch).
     """
     for index, level in enumerate(stats.levels[:-1]):
         below = stats.levels[index + 1]
-        if not model_levels[index + 1] or level.drafted < MIN_DRAFTS:
+        if not model_levels[index + 1] or level.drafted < MIN_PROBE_DRAFTS:
             continue
-        if level.accepted < MIN_AGREEMENT * level.drafted:
+        sat_out = below.paused_rounds >= max(level.verifications, 1) / 2
+        if (level.drafted >= MIN_DRAFTS or sat_out) and level.accepted < MIN_AGREEMENT * level.drafted:
+            pause = f", then let {level.name} decode alone for {below.paused_rounds} rounds" if sat_out else ""
             warnings.warn(
                 f"{level.name} accepted {level.accepted} of {level.drafted} drafts from {below.name} "
-                f"({level.accepted / level.drafted:.1%}). Models that share a tokenizer rarely agree this little: "
-                "check that every model of the chain uses the target's tokenizer. At this rate the chain is "
-                "slower than plain generate.",
+                f"({level.accepted / level.drafted:.1%}){pause}. Models that share a tokenizer rarely agree this little: "
+                "check that every model of the chain uses the target's tokenizer. Such a chain is no faster than "
+                "plain generate.",
                 UserWarning,
                 stacklevel=4,
             )

@@ -1,8 +1,13 @@
 """Shared fixtures: tiny random models built once per session and shared read-only."""
 
-import numpy as np
-import pytest
-import torch
+import os
+
+# cost curves measured during the tests stay in memory: never written to the user's cache
+os.environ["HF_POLYBASIC_COSTS"] = ""
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 # The tiny test models gain nothing from intra-op threads; one thread avoids OpenMP spin-waits on
 # small, shared CI machines and makes the suite several times faster there.
@@ -21,7 +26,7 @@ settings.load_profile("deterministic")
 
 def _fingerprint(model) -> tuple:
     """What a test could change: weights, configs, and attributes such as an `enable` patch."""
-    weights = float(sum(p.double().sum() for p in model.parameters()))
+    weights = float(sum(p.detach().double().sum() for p in model.parameters()))
     return (
         weights,
         repr(sorted(model.config.to_dict().items())),

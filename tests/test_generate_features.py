@@ -327,7 +327,7 @@ def test_config_saved_with_the_model_is_the_default_after_reload(tmp_path, chain
     from transformers import AutoModelForCausalLM
 
     target, *assistants = chain
-    config = hp.PolybasicConfig(num_draft_tokens=2, block_threshold=(3,))
+    config = hp.PolybasicConfig(num_draft_tokens=2, block_threshold=(3,), schedule="constant")
     fresh = type(target)(copy.deepcopy(target.config)).eval()  # saving writes into the config
     fresh.load_state_dict(target.state_dict())
     config.save_to(fresh.generation_config)

@@ -123,6 +123,20 @@ def test_early_exit_shares_weights_and_leaves_the_model_alone(four_layer_target)
         early_exit(target, 4)
 
 
+def test_hooks_on_the_target_do_not_fire_for_its_early_exit_and_back():
+    """A forward counter on the target (the benchmark has one) must not count the view's forwards."""
+    target = make_target("llama", seed=42, layers=4)
+    short = early_exit(target, 2)
+    calls = []
+    handles = [target.register_forward_pre_hook(lambda m, a: calls.append("target")),
+               short.register_forward_pre_hook(lambda m, a: calls.append("view"))]
+    short(prompt(3))
+    target(prompt(3))
+    for handle in handles:
+        handle.remove()
+    assert calls == ["view", "target"]
+
+
 def test_early_exit_of_a_sliding_window_model_is_exact():
     target = make_target("gemma3", seed=5, layers=4)
     ids = prompt(5, seed=2)

@@ -184,7 +184,7 @@ def test_a_token_beyond_a_slightly_smaller_assistant_is_a_clear_error_not_an_ind
     with pytest.raises(ValueError, match=r"token id 199.*assistant_models\[0\].*199 token ids"):
         target.generate(
             prompt(4), custom_generate=hp.generate, assistant_models=[assistant], do_sample=False, max_new_tokens=4,
-            logits_processor=LogitsProcessorList([ForceLastId()]),
+            logits_processor=LogitsProcessorList([ForceLastId()]), polybasic_config=hp.PolybasicConfig(schedule="constant"),
         )
 
 

@@ -53,7 +53,10 @@ class RawProposalDrafter(ModelDrafter):
 def test_negative_control_raw_proposal_is_rejected(distribution_models, exact_distribution):
     lossy = make_generate(ChainParts(model_drafter=RawProposalDrafter))
     setting = "temperature+top_k+top_p"
-    counts = sample_counts(distribution_models[0], setting, distribution_models[1:2], seed=2, generate=lossy, num_draft_tokens=2)
+    counts = sample_counts(
+        distribution_models[0], setting, distribution_models[1:2], seed=2, generate=lossy, num_draft_tokens=2,
+        schedule="constant",
+    )
     assert chi_square_p_value(counts, exact_distribution(setting)) < ALPHA
 
 

@@ -1,26 +1,44 @@
-"""Schedules that move K and mu during generation: their rules in isolation, and losslessness.
+"""Schedules that move K and mu during generation: their rules in isolation, the cost-aware policy
+on simulated machines (deterministic: a simulated clock charges each forward a given cost), and
+losslessness.
 
 Greedy equality with every schedule runs in `test_greedy_equality`; here the exact-distribution
-test runs with the schedules that vary the proposal length, next to a negative control: a drafter
-that decides its length *after* seeing its draft (it drops a trailing low-probability token) is
-lossy, and the test catches it.
+test runs with the schedules that vary the proposal length and with rounds that propose nothing
+(back-off), next to a negative control: a drafter that decides its length *after* seeing its
+draft (it drops a trailing low-probability token) is lossy, and the test catches it.
 """
 
 import pytest
 import torch
 from distribution import ALPHA, chi_square_p_value, sample_counts
 
+import hf_polybasic as hp
 from hf_polybasic.chain import ChainParts
+from hf_polybasic.config import PolybasicConfig
+from hf_polybasic.costs import CostCurves
 from hf_polybasic.drafting import ModelDrafter
 from hf_polybasic.integration import make_generate
+from hf_polybasic.levels import early_exit
 from hf_polybasic.protocol import Proposal
-from hf_polybasic.config import PolybasicConfig
-from hf_polybasic.schedule import ProposalSchedule, acceptance_rate_estimate, cost_aware_length
-from hf_polybasic.testing import make_chain, prompt
+from hf_polybasic.schedule import (
+    FIRST_BACKOFF_ROUNDS,
+    PROBE_ROUNDS,
+    ProposalSchedule,
+    acceptance_rate_estimate,
+    best_length,
+    expected_tokens,
+)
+from hf_polybasic.testing import SimulatedClock, make_target, noisy_copy, prompt
 
-import hf_polybasic as hp
+
+class Curve:
+    """A verifier cost curve for unit tests: seconds(k)."""
+
+    def __init__(self, function):
+        self.seconds = function
 
 
+# --- the rules in isolation ---------------------------------------------------------------------
 def test_constant_schedule_never_moves():
     schedule = ProposalSchedule("constant", 4, 16)
     for drafted, accepted in [(4, 4), (4, 0), (4, 4), (4, 2)]:
@@ -47,14 +65,26 @@ def test_acceptance_rate_estimate_is_geometric_mle_with_pseudocounts():
         acceptance_rate_estimate(-1, 0)
 
 
-def test_cost_aware_length_follows_cost_and_acceptance():
+def test_expected_tokens_is_the_truncated_geometric_mean():
+    assert expected_tokens(0.5, 0) == 1
+    assert expected_tokens(0.5, 3) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
+    assert expected_tokens(1.0, 4) == 5
+
+
+def test_best_length_follows_cost_and_acceptance():
+    flat = lambda k: 0.3  # noqa: E731 - a verification costs the same whatever k
     # a nearly free drafter that is usually right: propose as much as allowed
-    assert cost_aware_length(0.95, 1e-4, 0.3, maximum=16) == 16
+    assert best_length(0.95, 1e-4, flat, maximum=16) == 16
     # an expensive drafter that is usually wrong: propose the minimum
-    assert cost_aware_length(0.2, 0.15, 0.3, maximum=16) == 1
-    # in between it is the Leviathan optimum: alpha 0.8, c = 0.1 gives 5 (checked by enumeration)
-    ratios = [(1 - 0.8 ** (g + 1)) / (1 - 0.8) / (g * 0.1 + 1) for g in range(17)]
-    assert cost_aware_length(0.8, 0.03, 0.3, maximum=16) == max(range(1, 17), key=lambda g: ratios[g])
+    assert best_length(0.2, 0.15, flat, maximum=16) == 1
+    # with a flat verification it is Leviathan's optimum (alpha 0.8, c = 0.1)
+    leviathan = [(1 - 0.8 ** (g + 1)) / (1 - 0.8) / (g * 0.1 + 1) for g in range(17)]
+    assert best_length(0.8, 0.03, flat, maximum=16) == max(range(1, 17), key=lambda g: leviathan[g])
+    # a verification that costs 0.05 s more per token scored makes long proposals pay less
+    steep = lambda k: 0.3 + 0.05 * k  # noqa: E731
+    rates = [expected_tokens(0.8, g) / (g * 0.03 + steep(g + 1)) for g in range(17)]
+    assert best_length(0.8, 0.03, steep, maximum=16) == max(range(1, 17), key=lambda g: rates[g])
+    assert best_length(0.8, 0.03, steep, maximum=16) < best_length(0.8, 0.03, flat, maximum=16)
 
 
 def test_cost_aware_schedule_moves_after_warmup():
@@ -68,16 +98,141 @@ def test_cost_aware_schedule_moves_after_warmup():
     assert schedule.length() == 16
 
 
-def test_unknown_schedule_is_a_clear_error():
-    with pytest.raises(ValueError, match="PolybasicConfig.schedule must be one of"):
-        PolybasicConfig(schedule="adaptive")
+def test_it_backs_off_at_once_when_not_even_perfect_acceptance_could_pay():
+    """Verifying k tokens costs k steps (bf16 without bf16 units): drafting can never pay."""
+    schedule = ProposalSchedule("cost_aware", 4, 16, stops_early=True, verifier_costs=Curve(lambda k: 0.1 * k),
+                                step_seconds=0.01)
+    assert schedule.length() == 0
+    flat = ProposalSchedule("cost_aware", 4, 16, stops_early=True, verifier_costs=Curve(lambda k: 0.1),
+                            step_seconds=0.01)
+    assert flat.length() == 4
 
 
+def test_it_backs_off_when_rounds_yield_less_than_plain_decoding_and_probes_again():
+    verifier = Curve(lambda k: 0.1)
+    schedule = ProposalSchedule("cost_aware", 4, 16, verifier_costs=verifier)
+    # two rounds that accept nothing and cost a step of proposing each: 1 token per 0.2 s < plain's 1 per 0.1 s
+    for _ in range(2):
+        schedule.observe_proposal(schedule.length(), 0.1)
+        schedule.observe_verification(4, 0, 0.1)
+    assert schedule.length() == 0
+    lengths = []
+    for _ in range(FIRST_BACKOFF_ROUNDS):  # the parent decodes alone
+        schedule.observe_proposal(0, 0.0)
+        schedule.observe_verification(0, 0, 0.1)
+        lengths.append(schedule.length())
+    assert lengths[:-1] == [0] * (FIRST_BACKOFF_ROUNDS - 1) and lengths[-1] > 0  # then it probes
+    assert schedule.paused_rounds == FIRST_BACKOFF_ROUNDS
+    # a probe that pays (everything accepted, cheap proposals) resumes drafting
+    for _ in range(PROBE_ROUNDS):
+        length = schedule.length()
+        schedule.observe_proposal(length, 0.001 * length)
+        schedule.observe_verification(length, length, 0.1)
+    assert schedule.length() > 0 and schedule.paused_for == 0
+
+
+def test_failed_probes_double_the_back_off():
+    schedule = ProposalSchedule("cost_aware", 4, 16, verifier_costs=Curve(lambda k: 0.1))
+    stretches = []
+    for _ in range(40):
+        length = schedule.length()
+        if length == 0:
+            schedule.observe_proposal(0, 0.0)
+            schedule.observe_verification(0, 0, 0.1)
+        else:
+            if schedule.paused_for == 0 and (not stretches or stretches[-1] != schedule.stretch):
+                stretches.append(schedule.stretch)
+            schedule.observe_proposal(length, 0.2)
+            schedule.observe_verification(length, 0, 0.1)
+    assert stretches[:3] == [4, 8, 16]
+
+
+def test_keep_drafting_weighs_the_marginal_verification_cost():
+    def warmed(curve):
+        schedule = ProposalSchedule("cost_aware", 4, 16, stops_early=True, verifier_costs=Curve(curve))
+        for _ in range(3):  # confident drafts that are accepted: calibration ~1, alpha high
+            for _ in range(4):
+                schedule.keep_drafting(0.9)
+            schedule.observe_proposal(4, 0.004)
+            schedule.observe_verification(4, 4, 0.1)
+        return schedule
+
+    flat, steep = warmed(lambda k: 0.1), warmed(lambda k: 0.1 * k)
+    flat_kept = sum(flat.keep_drafting(0.9) for _ in range(6))
+    steep_kept = sum(steep.keep_drafting(0.9) for _ in range(6))
+    assert flat_kept == 6 and steep_kept == 0
+
+
+# --- the policy on simulated machines: deterministic --------------------------------------------
+def _simulated_run(target_cost, drafter_cost, tokens=48, do_sample=False, close_drafter=False):
+    """The target (4 layers) and an early exit of it (1 layer; or a close copy) on a simulated machine."""
+    target = make_target("llama", seed=13, layers=4)
+    drafter = noisy_copy(target, 0.02, seed=3) if close_drafter else early_exit(target, 1)
+    clock = SimulatedClock()
+    handles = [clock.charge(target, target_cost), clock.charge(drafter, drafter_cost)]
+    generate = make_generate(clock=clock, costs=CostCurves(directory=None))
+    ids = prompt(6, seed=4)
+    options = dict(do_sample=do_sample, max_new_tokens=tokens, eos_token_id=None)
+    try:
+        reference = target.generate(ids, **options)
+        out = target.generate(ids, custom_generate=generate, assistant_models=[drafter],
+                              polybasic_config=PolybasicConfig(num_draft_tokens=4), return_dict_in_generate=True, **options)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return reference, out
+
+
+def test_on_a_machine_where_verification_costs_grow_with_k_it_decodes_plainly():
+    """T_target(k) = 10 ms x k (bf16 without bf16 units): no length pays, the target decodes alone."""
+    reference, out = _simulated_run(lambda k: 0.010 * k, lambda k: 0.001 * k)
+    assert torch.equal(out.sequences, reference)
+    target_level, drafter_level = out.polybasic_stats.levels
+    assert drafter_level.paused_rounds > 0
+    assert target_level.forward_passes >= 0.8 * 48  # close to plain decoding's one per token
+    assert drafter_level.forward_costs[8] == pytest.approx(0.008)
+
+
+def test_on_a_machine_where_verification_is_flat_it_drafts_long():
+    """T_target(k) = 10 ms whatever k (a GPU, or bf16 units): long drafts pay."""
+    reference, out = _simulated_run(lambda k: 0.010, lambda k: 0.0005, close_drafter=True)
+    assert torch.equal(out.sequences, reference)
+    target_level, drafter_level = out.polybasic_stats.levels
+    assert drafter_level.paused_rounds == 0
+    assert target_level.drafted / target_level.verifications > 4  # beyond the configured K = 4
+
+
+def test_the_simulated_policy_is_deterministic():
+    runs = [_simulated_run(lambda k: 0.010 + 0.002 * k, lambda k: 0.001)[1].polybasic_stats for _ in range(2)]
+    assert [level.acceptance_lengths for level in runs[0].levels] == [level.acceptance_lengths for level in runs[1].levels]
+    assert runs[0].levels[1].paused_rounds == runs[1].levels[1].paused_rounds
+
+
+# --- losslessness ----------------------------------------------------------------------------------
 @pytest.mark.parametrize("schedule", ["heuristic", "cost_aware"])
 @pytest.mark.parametrize("depth", [2, 3])
 def test_varying_schedules_sample_the_target_distribution(schedule, depth, distribution_models, exact_distribution):
     setting = "temperature+top_k+top_p"
-    counts = sample_counts(distribution_models[0], setting, distribution_models[1:depth], seed=11, num_draft_tokens=1, block_threshold=1, schedule=schedule)
+    counts = sample_counts(distribution_models[0], setting, distribution_models[1:depth], seed=11, num_draft_tokens=1,
+                           block_threshold=1, schedule=schedule)
+    assert chi_square_p_value(counts, exact_distribution(setting)) > ALPHA
+
+
+class SittingOutDrafter(ModelDrafter):
+    """Proposes nothing every other round (as a backed-off level does): the target then decodes alone."""
+
+    calls = 0
+
+    def propose(self, sequence, budget):
+        SittingOutDrafter.calls += 1
+        return super().propose(sequence, 0 if SittingOutDrafter.calls % 2 else budget)
+
+
+def test_rounds_without_proposals_keep_the_target_distribution(distribution_models, exact_distribution):
+    setting = "temperature+top_k+top_p"
+    generate = make_generate(ChainParts(model_drafter=SittingOutDrafter))
+    counts = sample_counts(distribution_models[0], setting, distribution_models[1:2], seed=5, generate=generate,
+                           num_draft_tokens=2, schedule="constant")
     assert chi_square_p_value(counts, exact_distribution(setting)) > ALPHA
 
 
@@ -96,25 +251,17 @@ class PeekingDrafter(ModelDrafter):
 def test_negative_control_length_chosen_after_drafting_is_rejected(distribution_models, exact_distribution):
     lossy = make_generate(ChainParts(model_drafter=PeekingDrafter))
     setting = "temperature+top_k+top_p"
-    counts = sample_counts(distribution_models[0], setting, distribution_models[1:2], seed=11, generate=lossy, num_draft_tokens=2)
+    counts = sample_counts(distribution_models[0], setting, distribution_models[1:2], seed=11, generate=lossy,
+                           num_draft_tokens=2, schedule="constant")
     assert chi_square_p_value(counts, exact_distribution(setting)) < ALPHA
 
 
-def test_cost_aware_schedule_is_exact_and_moves_on_a_longer_greedy_run():
-    target, mid, draft = make_chain("llama", 3, seed=7)
-    ids = prompt(6, seed=2)
-    reference = target.generate(ids, do_sample=False, max_new_tokens=60, eos_token_id=None)
-    out = target.generate(
-        ids,
-        do_sample=False,
-        max_new_tokens=60,
-        eos_token_id=None,
-        custom_generate=hp.generate,
-        assistant_models=[mid, draft],
-        polybasic_config=hp.PolybasicConfig(num_draft_tokens=2, block_threshold=3, schedule="cost_aware"),
-        return_dict_in_generate=True,
-    )
-    assert torch.equal(out.sequences, reference)
-    drafter = out.polybasic_stats.levels[-1]
-    # the schedule left K = 2 behind: some round drafted a different number of tokens
-    assert drafter.proposed != 2 * out.polybasic_stats.levels[1].verifications
+def test_unknown_schedule_is_a_clear_error():
+    with pytest.raises(ValueError, match="PolybasicConfig.schedule must be one of"):
+        PolybasicConfig(schedule="adaptive")
+
+
+def test_sampled_output_on_a_simulated_machine_is_exact_in_length_and_budget():
+    reference, out = _simulated_run(lambda k: 0.010 * k, lambda k: 0.001, tokens=20, do_sample=True)
+    assert out.sequences.shape == reference.shape
+
