@@ -12,7 +12,6 @@ import pytest
 import torch
 from distribution import ALPHA, chi_square_p_value, sample_counts
 
-import hf_polybasic as hp
 from hf_polybasic.chain import ChainParts
 from hf_polybasic.config import PolybasicConfig
 from hf_polybasic.costs import CostCurves
