@@ -13,7 +13,9 @@ topic:
 * loading: `detach_gguf_quantizer` (``hf_quantizer`` of a model dequantized from GGUF);
 * logits processors: `shift_positions` (the attributes that hold absolute positions),
   `decoding_processors` and `resolved_decoding` (the processors and defaults `generate` builds, for
-  the planner, which scores without calling `generate`).
+  the planner, which scores without calling `generate`);
+* torch: `onednn_supports`, `onednn_pack_weight`, `onednn_linear` (oneDNN's prepacked linear,
+  private ops of ``torch.ops.mkldnn``, for `hf_polybasic.cpu`).
 
 Tests: ``tests/test_compat.py`` checks each function against the behaviour it stands for; the
 greedy-equality tests (sliding windows), streamer, batch and save/reload tests cover the rest.
@@ -248,3 +250,32 @@ def decoding_processors(decoding: Mapping[str, Any]) -> lp.LogitsProcessorList:
         if decoding.get("min_p") is not None:
             processors.append(lp.MinPLogitsWarper(min_p=decoding["min_p"], min_tokens_to_keep=1))
     return processors
+
+
+# --- torch: oneDNN's prepacked linear (private ops of torch.ops.mkldnn) -----------------------------
+ONEDNN_BATCH_HINT = 8  # rows the packed layout is tuned for; 4 .. 64 measure alike for 1 .. 16 rows
+
+
+def onednn_supports(dtype: torch.dtype) -> bool:
+    """Whether this torch build and CPU can run oneDNN's prepacked linear in ``dtype`` (fp32 on any
+    x86 CPU with oneDNN; bf16 only with AVX-512 (bw, vl, dq) or AVX-NE-CONVERT)."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    ops = torch.ops.mkldnn
+    if not (hasattr(ops, "_reorder_linear_weight") and hasattr(ops, "_linear_pointwise")):
+        return False
+    if dtype == torch.float32:
+        return True
+    if dtype == torch.bfloat16:
+        return bool(ops._is_mkldnn_bf16_supported())
+    return False
+
+
+def onednn_pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` ``[out, in]`` reordered into oneDNN's blocked layout (an opaque mkldnn tensor)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), ONEDNN_BATCH_HINT)
+
+
+def onednn_linear(inputs: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``inputs @ weight.T + bias`` with a weight packed by `onednn_pack_weight`; inputs ``[rows, in]``."""
+    return torch.ops.mkldnn._linear_pointwise(inputs, packed, bias, "none", [], "")

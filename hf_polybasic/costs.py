@@ -65,20 +65,24 @@ def forward_cost(
     return statistics.median(_forward_times(model, prefix.reshape(-1), num_tokens, repeats, clock))
 
 
-def _forward_times(model, prefix: torch.LongTensor, num_tokens: int, repeats: int, clock: Clock, runner=None) -> list:
+def _forward_times(
+    model, prefix: torch.LongTensor, num_tokens: int, repeats: int, clock: Clock, runner=None, warm: bool = True
+) -> list:
+    """Seconds of ``repeats`` forwards of ``num_tokens`` tokens after ``prefix`` (after one untimed
+    warm-up forward unless ``warm=False``, when one forward is timed)."""
     if runner is None:
         runner = CachedModel(model, new_dynamic_cache(model), role="measured model", clock=clock)
         runner.logits(prefix, 1)  # prefill: the cache now holds the prefix
     sequence = torch.cat([prefix, prefix[-1:].repeat(num_tokens)])
     times = []
-    for _ in range(repeats + 1):  # the first run warms up and is dropped
+    for _ in range(repeats + 1 if warm else 1):  # the first run warms up and is dropped
         runner.rollback_to(prefix.shape[0])
         _synchronize(model)
         with timed(clock) as span:
             runner.logits(sequence, num_tokens)
             _synchronize(model)  # on a GPU, time the forward pass, not just its kernel launches
         times.append(span.seconds)
-    return times[1:]
+    return times[1:] if warm else times
 
 
 def nondecreasing(values: Sequence[float]) -> list[float]:
@@ -217,18 +221,23 @@ def measure_curve(
     model: torch.nn.Module,
     tokens: Sequence[int] = MEASURED_TOKENS,
     context: int = CALIBRATION_CONTEXT,
-    repeats: int = 2,
+    repeats: int = 3,
     clock: Clock = DEFAULT_CLOCK,
 ) -> CostCurve:
-    """Measure T(k) of ``model`` for each k in ``tokens`` after ``context`` cached tokens (the
-    median of ``repeats`` forwards after a warm-up each); uses its own cache, changes nothing."""
+    """Measure T(k) of ``model`` for each k in ``tokens`` after ``context`` cached tokens: two untimed
+    forwards of every size first (weights paged in, kernels built for each shape), then ``repeats``
+    timed rounds over all sizes (interleaved, so drift hits every size alike); the median of each.
+    Uses its own cache and changes nothing."""
     vocab = model.config.get_text_config(decoder=True).vocab_size
     device = next(model.parameters()).device
     prefix = (torch.arange(context, device=device) * 7919 % max(vocab - 3, 1)) + 3
     runner = CachedModel(model, new_dynamic_cache(model), role="measured model", clock=clock)
     runner.logits(prefix, 1)
-    points = {int(k): statistics.median(_forward_times(model, prefix, int(k), repeats, clock, runner)) for k in tokens}
-    points = {k: max(seconds, 1e-9) for k, seconds in points.items()}
+    sizes = [int(k) for k in tokens]
+    for k in sizes:
+        _forward_times(model, prefix, k, 1, clock, runner)  # its own warm-up run plus one more
+    rounds = [[_forward_times(model, prefix, k, 0, clock, runner, warm=False)[0] for k in sizes] for _ in range(repeats)]
+    points = {k: max(statistics.median(r[i] for r in rounds), 1e-9) for i, k in enumerate(sizes)}
     return CostCurve(points, context, {"model": model_description(model), "machine": machine_description()})
 
 
@@ -244,35 +253,55 @@ DEFAULT_DIRECTORY = object()  # CostCurves' default: `default_directory()`, read
 
 
 class CostEstimate:
-    """T(k) of one model during one call: the curve's shape, scaled by what its forwards cost now.
+    """T(k) of one model during one call: the curve, corrected by what its forwards cost now.
 
-    Every forward of at most `ONLINE_MAX_TOKENS` tokens updates the scale (a running, decayed mean
-    of observed / predicted, in log space); longer ones (prefills, catch-ups) are left out.
+    Every forward of at most `ONLINE_MAX_TOKENS` tokens updates a running, decayed mean of
+    log(observed / predicted): one for the curve as a whole (a busy machine scales every cost
+    alike) and one at the measured point nearest to the forward's size (so a wrong shape is
+    corrected where decoding works). Longer forwards (prefills, catch-ups) are left out.
+
+    Attributes:
+        observed: forwards that updated the estimate.
+        last_seconds: seconds of the most recent forward, whatever its size.
     """
 
     def __init__(self, curve: CostCurve):
         self.curve = curve
-        self._log_scale = 0.0
-        self._weight = 0.0
+        self._whole = [0.0, 0.0]  # decayed sum of log ratios, decayed weight
+        self._at = {k: [0.0, 0.0] for k in curve.points}
         self.observed = 0
+        self.last_seconds: float | None = None
 
-    @property
-    def scale(self) -> float:
-        return math.exp(self._log_scale / self._weight) if self._weight else 1.0
+    def _nearest_point(self, tokens: int) -> int:
+        return min(self.curve.points, key=lambda k: abs(math.log(k) - math.log(tokens)))
 
     def observe(self, tokens: int, seconds: float) -> None:
+        self.last_seconds = seconds
         if not 1 <= tokens <= ONLINE_MAX_TOKENS or seconds <= 0:
             return
-        self._log_scale = ONLINE_DECAY * self._log_scale + math.log(seconds / self.curve.seconds(tokens))
-        self._weight = ONLINE_DECAY * self._weight + 1.0
+        ratio = math.log(seconds / self.curve.seconds(tokens))
+        for running in (self._whole, self._at[self._nearest_point(tokens)]):
+            running[0] = ONLINE_DECAY * running[0] + ratio
+            running[1] = ONLINE_DECAY * running[1] + 1.0
         self.observed += 1
 
+    def scale(self, point: int | None = None) -> float:
+        """observed / measured at a measured ``point`` (that point's own evidence when it has some,
+        else the whole curve's), or for the curve as a whole."""
+        running = self._at.get(point) if point is not None else None
+        if running is None or running[1] < 1.0:
+            running = self._whole
+        return math.exp(running[0] / running[1]) if running[1] else 1.0
+
+    def points(self) -> dict[int, float]:
+        """``{k: seconds}`` at the measured k, as this call sees them now."""
+        return {k: v * self.scale(k) for k, v in self.curve.points.items()}
+
     def seconds(self, k: float) -> float:
-        return self.curve.seconds(k) * self.scale
+        return interpolate_cost(self.points(), k)
 
     def snapshot(self) -> dict[int, float]:
-        """``{k: seconds}`` at the measured k, as this call last saw them."""
-        return {k: self.seconds(k) for k in sorted(self.curve.points)}
+        return dict(sorted(self.points().items()))
 
 
 class CostCurves:
@@ -316,20 +345,21 @@ class CostCurves:
             return curve
 
     def refresh(self, model: torch.nn.Module, estimate: CostEstimate) -> None:
-        """Move the stored curve towards what ``estimate`` saw during a call (by its scale, weighted
-        by how many forwards it saw), so the next call starts from today's costs."""
+        """Move the stored curve towards what ``estimate`` saw during a call (each point by its
+        observed / measured ratio, weighted by how many forwards the call made), so the next call
+        starts from today's costs."""
         if estimate.observed == 0:
             return
         key = cost_key(model)
         with self._lock:
             curve = self._curves.get(key)
-            if curve is None:
+            if curve is None or curve is not estimate.curve:
                 return
             weight = min(1.0, estimate.observed / 50)
-            factor = estimate.scale**weight
-            curve.points = {k: v * factor for k, v in curve.points.items()}
+            factors = {k: estimate.scale(k) ** weight for k in curve.points}
+            curve.points = {k: v * factors[k] for k, v in curve.points.items()}
             curve.observations += estimate.observed
-            if abs(math.log(factor)) > 0.05:
+            if max(abs(math.log(f)) for f in factors.values()) > 0.05:
                 self._save(key, curve)
 
     def _load(self, key: str) -> CostCurve | None:

@@ -108,8 +108,9 @@ class ProposalSchedule:
         stops_early: the level can stop after any token it drafts (a model drafter); a
             cost-aware schedule then lets it draft up to ``maximum`` and leaves the stop to
             `keep_drafting`.
-        verifier_costs: the parent's forward cost, ``seconds(k)`` for k tokens scored
-            (`hf_polybasic.costs.CostEstimate`); None: a constant, the mean verification seen.
+        verifier_costs: the parent's forward cost, ``seconds(k)`` for k tokens scored, and the
+            seconds of its latest forward, ``last_seconds`` (`hf_polybasic.costs.CostEstimate`);
+            None: a constant, the mean verification seen.
         step_seconds: what one proposed token costs this level, if known in advance (a model
             drafter's T(1)); used to back off at once when not even perfect acceptance could pay.
     """
@@ -251,9 +252,10 @@ class ProposalSchedule:
         self.verify_seconds = _decayed(self.verify_seconds, seconds)
         self.verifications = _decayed(self.verifications, 1.0)
         if self.verifier_costs is not None:
-            self.overhead_seconds = _decayed(
-                self.overhead_seconds, max(seconds - self.verifier_costs.seconds(num_drafted + 1), 0.0)
-            )
+            forward = getattr(self.verifier_costs, "last_seconds", None)
+            if forward is None:
+                forward = self.verifier_costs.seconds(num_drafted + 1)
+            self.overhead_seconds = _decayed(self.overhead_seconds, max(seconds - forward, 0.0))
             self.overhead_rounds = _decayed(self.overhead_rounds, 1.0)
         if num_drafted == 0:
             self.plain_seconds = _decayed(self.plain_seconds, seconds + self._last_proposal_seconds)
