@@ -24,7 +24,6 @@ import json
 import logging
 import math
 import os
-import platform
 import statistics
 import threading
 from collections.abc import Mapping, Sequence
@@ -35,6 +34,7 @@ import torch
 
 from .cache import CachedModel
 from .compat import new_dynamic_cache
+from .hardware import describe_machine
 from .timing import DEFAULT_CLOCK, Clock, timed
 
 log = logging.getLogger("hf_polybasic")
@@ -122,25 +122,9 @@ def interpolate_cost(points: Mapping[int, float], k: float) -> float:
 
 # --- what a curve belongs to ---------------------------------------------------------------------
 def machine_description() -> dict:
-    """What a cost depends on besides the model: CPU, the kernels torch picks, threads, versions."""
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as handle:
-            cpu = next((line.split(":", 1)[1].strip() for line in handle if line.lower().startswith("model name")), cpu)
-    except OSError:
-        pass
-    return {
-        "cpu": cpu,
-        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-        "threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-        "environment": {key: os.environ[key] for key in sorted(os.environ) if key in _KERNEL_VARIABLES},
-    }
-
-
-# environment variables that change which kernels run (and so what a forward costs)
-_KERNEL_VARIABLES = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS", "OMP_NUM_THREADS")
+    """What a cost depends on besides the model: CPU, the kernels torch picks, threads, versions
+    (`hf_polybasic.hardware.describe_machine`)."""
+    return describe_machine()
 
 
 def model_description(model: torch.nn.Module) -> dict:
@@ -301,7 +285,9 @@ class CostEstimate:
         return interpolate_cost(self.points(), k)
 
     def snapshot(self) -> dict[int, float]:
-        return dict(sorted(self.points().items()))
+        """``{k: seconds}`` at the measured k as the schedule uses them (made nondecreasing in k)."""
+        points = dict(sorted(self.points().items()))
+        return dict(zip(points, nondecreasing(list(points.values()))))
 
 
 class CostCurves:

@@ -102,12 +102,13 @@ def _self_check(linear: torch.nn.Linear, packed: PackedLinear) -> None:
 
 
 @torch.no_grad()
-def pack_linear_layers(model: torch.nn.Module) -> torch.nn.Module:
+def pack_linear_layers(model: torch.nn.Module, after_each=None) -> torch.nn.Module:
     """Swap every ``nn.Linear`` of ``model`` (in place) for a `PackedLinear`; returns ``model``.
 
     Raises a `ValueError` naming the layer if one is not on the CPU or in a dtype this machine can
     pack, and a `RuntimeError` if the packed product does not reproduce the plain one. Quantized
-    layers and layers already packed are left alone.
+    layers and layers already packed are left alone. ``after_each(old_layer)`` runs after each swap
+    (e.g. to release the old weight's memory at once).
     """
     _check_packable(model)
     checked: set[tuple] = set()
@@ -118,6 +119,8 @@ def pack_linear_layers(model: torch.nn.Module) -> torch.nn.Module:
         if shape not in checked:
             _self_check(linear, packed)
             checked.add(shape)
+        if after_each is not None:
+            after_each(linear)
         return packed
 
     _swap(model, torch.nn.Linear, convert)

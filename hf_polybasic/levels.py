@@ -50,27 +50,59 @@ def quantized_copy(target: torch.nn.Module, method: str = "int8-dynamic") -> tor
         raise ValueError(f"quantized_copy: unknown method {method!r}; choose one of {QUANTIZATION_METHODS}")
     if method == "nf4":
         return _nf4(target)
-    clone = copy.deepcopy(target)
     if method in ("bf16", "fp16"):
-        return clone.to(torch.bfloat16 if method == "bf16" else torch.float16).eval()
-    return _int8_dynamic(clone)
+        return copy.deepcopy(target).to(torch.bfloat16 if method == "bf16" else torch.float16).eval()
+    return _int8_dynamic_copy(target)
 
 
-def _int8_dynamic(model: torch.nn.Module) -> torch.nn.Module:
-    devices = {p.device.type for p in model.parameters()}
+def _int8_dynamic_copy(source: torch.nn.Module) -> torch.nn.Module:
+    """The copy is built without a full-size float duplicate: everything but the linear layers is
+    copied, each linear layer is quantized straight from the source's weights (upcast one layer at a
+    time), and only then is the rest cast to float32 (dynamic int8 layers take float32 inputs)."""
+    devices = {p.device.type for p in source.parameters()}
     if devices != {"cpu"}:
         raise ValueError(
             f"quantized_copy(method='int8-dynamic') runs on CPU only; the model is on {sorted(devices)}. "
             "On a GPU use method='bf16'/'fp16' or load a 4-bit checkpoint (bitsandbytes, GPTQ)"
         )
-    model = model.float().eval()
+    shared = {
+        id(tensor): tensor
+        for module in source.modules()
+        if type(module) is torch.nn.Linear
+        for tensor in (module.weight, module.bias)
+        if tensor is not None
+    }
+    clone = copy.deepcopy(source, memo=dict(shared))  # linear weights referenced, not copied
+    quantize_linear_layers(clone)  # now the clone holds none of the source's tensors
+    return clone.float().eval()
+
+
+@torch.no_grad()
+def quantize_linear_layers(model: torch.nn.Module, after_each=None) -> torch.nn.Module:
+    """Replace every ``nn.Linear`` of ``model`` (in place) with a dynamically quantized int8 layer
+    (per-channel weight scales, PyTorch's ``torch.ao.nn.quantized.dynamic.Linear``), one layer at a
+    time: a layer's float weight is upcast, quantized and released before the next, so memory never
+    holds a second full-size copy. ``after_each(old_layer)`` runs after each replacement (e.g. to
+    release the old weight's memory). Returns ``model``; its other parameters keep their dtype."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
         warnings.simplefilter("ignore", UserWarning)
-        from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
+        from torch.ao.nn.quantized.dynamic import Linear as DynamicLinear
+        from torch.ao.quantization import per_channel_dynamic_qconfig
 
-        # in place: `model` is already our private copy (a second copy would double peak memory)
-        return quantize_dynamic(model, {torch.nn.Linear: per_channel_dynamic_qconfig}, dtype=torch.qint8, inplace=True)
+        for parent in list(model.modules()):
+            for name, child in list(parent.named_children()):
+                if type(child) is not torch.nn.Linear:
+                    continue
+                layer = torch.nn.Linear(child.in_features, child.out_features, bias=child.bias is not None)
+                layer.weight.copy_(child.weight)
+                if child.bias is not None:
+                    layer.bias.copy_(child.bias)
+                layer.qconfig = per_channel_dynamic_qconfig
+                setattr(parent, name, DynamicLinear.from_float(layer))
+                if after_each is not None:
+                    after_each(child)
+    return model
 
 
 def _nf4(model: torch.nn.Module) -> torch.nn.Module:

@@ -10,11 +10,13 @@ from .plan_cli import add_plan_parser
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from .demo import run_demo, run_real_demo
+    from .demo import run_demo
+    from .real_demo import run_real_demo
 
     if args.tiny:
         return run_demo(max_new_tokens=args.max_new_tokens or 64, repeats=args.repeats, seed=args.seed)
-    return run_real_demo(max_new_tokens=args.max_new_tokens or 128, target_dtype=args.target_dtype)
+    return run_real_demo(max_new_tokens=args.max_new_tokens or 128, target_dtype=args.target_dtype,
+                         allow_pack=not args.no_pack)
 
 
 def _models(args: argparse.Namespace) -> int:
@@ -44,11 +46,15 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
 
     demo = commands.add_parser(
-        "demo", help="a real 3-model chain (Qwen2.5-Coder 1.5B <- int8 copy <- 0.5B int8) against plain generate"
+        "demo", help="real chains (Qwen2.5-Coder 1.5B <- 0.5B int8 [<- PromptLookup]) chosen for this machine, "
+        "against plain generate"
     )
     demo.add_argument("--tiny", action="store_true", help="small random models instead (no download, seconds)")
     demo.add_argument("--max-new-tokens", type=int, default=None, help="default: 128 (real), 64 (--tiny)")
-    demo.add_argument("--target-dtype", choices=["bf16", "fp32"], default="bf16", help="real demo: the target's dtype")
+    demo.add_argument("--target-dtype", choices=["auto", "bf16", "fp32"], default="auto",
+                      help="real demo: the target's dtype (auto: measured on this machine)")
+    demo.add_argument("--no-pack", action="store_true",
+                      help="real demo: never pack the target's linear layers (hf_polybasic.cpu)")
     demo.add_argument("--repeats", type=int, default=3, help="--tiny: timed runs per method; the median is reported")
     demo.add_argument("--seed", type=int, default=0, help="--tiny: seed of the random models and prompt")
     demo.set_defaults(handler=_demo)

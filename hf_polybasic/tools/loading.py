@@ -1,0 +1,146 @@
+"""Loading the real models with as little memory as their use needs (the demo's RSS budget).
+
+* float32 loads straight from the cached safetensors (memory-mapped: pages become resident only
+  when read; the embedding only for the rows of tokens actually used);
+* bfloat16 loads from a bfloat16 copy kept next to the float32 cache, made once by streaming the
+  file tensor by tensor (loading float32 and casting would hold both: ~10 GB for the 1.5B);
+* packing (`hf_polybasic.cpu`) and int8 quantization (`hf_polybasic.levels.quantize_linear_layers`)
+  go layer by layer and hand each source weight's pages back to the kernel at once
+  (`release_file_pages`), so a packed or quantized model never coexists with its full source.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import mmap
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .. import cpu
+from ..levels import quantize_linear_layers
+from . import models
+
+BF16_SUFFIX = "-bf16"
+_MADV_DONTNEED = 4
+_SAFETENSORS_DTYPES = {"F32": np.float32, "F16": np.float16}
+
+
+# --- giving pages back ---------------------------------------------------------------------------------
+def _file_mappings() -> list[tuple[int, int]]:
+    """(start, end) of this process's memory mappings that are backed by a file."""
+    ranges = []
+    try:
+        with open("/proc/self/maps", encoding="utf-8") as handle:
+            for line in handle:
+                fields = line.split()
+                if len(fields) >= 6 and fields[5].startswith("/"):
+                    start, end = (int(x, 16) for x in fields[0].split("-"))
+                    ranges.append((start, end))
+    except OSError:
+        return []
+    return ranges
+
+
+def release_file_pages(tensor: torch.Tensor) -> bool:
+    """Hand the pages of a tensor that lives in a memory-mapped *file* back to the kernel (Linux
+    ``madvise(MADV_DONTNEED)``); True if it did. Safe for clean file-backed pages: read again, they
+    come back from the file unchanged. Anonymous memory is never touched (there it would zero the
+    data), nor is anything on systems without /proc."""
+    if not sys.platform.startswith("linux") or tensor.device.type != "cpu":
+        return False
+    start = tensor.data_ptr()
+    end = start + tensor.numel() * tensor.element_size()
+    page = mmap.PAGESIZE
+    first, last = -(-start // page) * page, end // page * page  # whole pages inside the tensor
+    if last <= first or not any(low <= start and end <= high for low, high in _file_mappings()):
+        return False
+    libc = ctypes.CDLL(None, use_errno=True)
+    return libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), _MADV_DONTNEED) == 0
+
+
+def _release_weight(layer: torch.nn.Module) -> None:
+    release_file_pages(layer.weight)
+
+
+# --- a bfloat16 copy of the cache ------------------------------------------------------------------
+def _read_safetensors(path: Path):
+    """(name, float tensor) for every tensor of a safetensors file, read with plain file reads (no
+    memory map): only the tensor being converted is ever in memory."""
+    with open(path, "rb") as handle:
+        length = int.from_bytes(handle.read(8), "little")
+        header = json.loads(handle.read(length))
+        base = 8 + length
+        for name, entry in header.items():
+            if name == "__metadata__":
+                continue
+            if entry["dtype"] not in _SAFETENSORS_DTYPES:
+                raise ValueError(f"{path}: tensor {name} has dtype {entry['dtype']}; expected float32 or float16")
+            begin, end = entry["data_offsets"]
+            handle.seek(base + begin)
+            array = np.frombuffer(handle.read(end - begin), dtype=_SAFETENSORS_DTYPES[entry["dtype"]])
+            yield name, torch.from_numpy(array.copy()).reshape(entry["shape"])
+
+
+def bf16_directory(name: str, cache_dir=None) -> Path:
+    """The bfloat16 copy of a cached model, made on first use (a few seconds per GB, streamed)."""
+    from safetensors.torch import save_file
+
+    source = models.install(name, cache_dir=cache_dir)
+    target = source.with_name(source.name + BF16_SUFFIX)
+    manifest = target / "hf_polybasic_bf16.json"
+    if manifest.is_file():
+        return target
+    partial = target.with_name(target.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    for item in source.iterdir():
+        if item.is_file() and item.suffix != ".safetensors":
+            shutil.copy2(item, partial / item.name)
+    for shard in sorted(source.glob("*.safetensors")):
+        tensors = {key: value.to(torch.bfloat16) for key, value in _read_safetensors(shard)}
+        save_file(tensors, str(partial / shard.name), metadata={"format": "pt"})
+        del tensors
+    (partial / manifest.name).write_text(json.dumps({"source": str(source), "dtype": "bfloat16"}) + "\n")
+    shutil.rmtree(target, ignore_errors=True)
+    partial.rename(target)
+    return target
+
+
+def load(name: str, dtype: torch.dtype = torch.float32, cache_dir=None):
+    """``(model, tokenizer)`` in ``dtype`` without a transient float32 copy for bfloat16."""
+    if dtype == torch.float32:
+        return models.load(name, dtype=dtype, cache_dir=cache_dir)
+    if dtype != torch.bfloat16:
+        raise ValueError(f"load: dtype must be torch.float32 or torch.bfloat16, got {dtype}")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = bf16_directory(name, cache_dir)
+    with models.offline():
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, local_files_only=True)
+    return model.eval(), tokenizer
+
+
+def pack(model: torch.nn.Module) -> torch.nn.Module:
+    """`hf_polybasic.cpu.pack_linear_layers`, releasing each source weight's file pages at once."""
+    return cpu.pack_linear_layers(model, after_each=_release_weight)
+
+
+def load_int8(name: str, cache_dir=None) -> torch.nn.Module:
+    """A cached model with every linear layer in dynamic int8, quantized layer by layer straight
+    from the memory-mapped float32 file (its pages handed back as each layer is done)."""
+    model, _ = models.load(name, dtype=torch.float32, cache_dir=cache_dir)
+    return quantize_linear_layers(model, after_each=_release_weight).eval()
+
+
+def resident_mib() -> float:
+    """This process's resident memory now (MiB)."""
+    import psutil
+
+    return psutil.Process(os.getpid()).memory_info().rss / 2**20

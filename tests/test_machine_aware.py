@@ -1,0 +1,112 @@
+"""The machine-aware pieces: what the machine is, the demo's choice of target kernel, and loading
+with little memory (quantizing and packing layer by layer, handing file pages back)."""
+
+import mmap
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+from hf_polybasic import compat, cpu, hardware
+from hf_polybasic.levels import quantize_linear_layers, quantized_copy
+from hf_polybasic.testing import make_target
+from hf_polybasic.tools import loading
+from hf_polybasic.tools.real_demo import BF16_TOLERANCE, VERIFY_ROWS, choose_target
+
+
+def test_describe_machine_names_what_costs_depend_on(monkeypatch):
+    described = hardware.describe_machine()
+    assert described["torch_cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+    assert set(described["cpu_flags"]) <= set(hardware.RELEVANT_FLAGS)
+    assert described["threads"] == torch.get_num_threads()
+    # a restriction of the kernels shows up in the description
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    assert hardware.describe_machine()["kernel_variables"] == {"ONEDNN_MAX_CPU_ISA": "AVX2"}
+
+
+def test_measure_linear_times_every_dtype_and_kernel_per_row_count():
+    costs = hardware.measure_linear(32, 48, rows=(1, 4), repeats=2)
+    assert "fp32" in costs and "bf16" in costs
+    for dtype, name in ((torch.float32, "fp32 packed"), (torch.bfloat16, "bf16 packed")):
+        assert (name in costs) == compat.onednn_supports(dtype)
+    for rows in costs.values():
+        assert set(rows) == {1, 4} and all(seconds > 0 for seconds in rows.values())
+
+
+def _costs(fp32, bf16, fp32_packed=None, bf16_packed=None):
+    """Costs as measure_linear reports them, from (1-row, 8-row) milliseconds."""
+    table = {"fp32": fp32, "bf16": bf16, "fp32 packed": fp32_packed, "bf16 packed": bf16_packed}
+    return {name: {1: pair[0] / 1000, VERIFY_ROWS: pair[1] / 1000} for name, pair in table.items() if pair}
+
+
+def test_choose_target_prefers_bf16_only_where_it_is_about_as_fast():
+    # AVX-512 with bf16 units: bf16 about as fast, half the memory
+    choice = choose_target(_costs(fp32=(2.6, 5.4), bf16=(2.7, 5.5)))
+    assert (choice.dtype, choice.pack) == (torch.bfloat16, False)
+    # AVX2: a bf16 verification of 8 rows costs ~8 steps; fp32 wins and the reason says why
+    choice = choose_target(_costs(fp32=(4.2, 7.9), bf16=(2.0, 16.0)))
+    assert (choice.dtype, choice.pack) == (torch.float32, False)
+    assert "8.0x a bf16 step" in choice.reason
+    # just over the tolerance: fp32
+    fp32_total = 10.0
+    over = fp32_total * BF16_TOLERANCE * 1.01
+    assert choose_target(_costs(fp32=(5.0, 5.0), bf16=(over / 2, over / 2))).dtype == torch.float32
+
+
+def test_choose_target_packs_only_when_packing_is_faster_and_allowed():
+    costs = _costs(fp32=(2.6, 5.4), bf16=(2.0, 16.0), fp32_packed=(1.0, 1.0), bf16_packed=(3.0, 3.0))
+    choice = choose_target(costs)
+    assert (choice.dtype, choice.pack, choice.name) == (torch.float32, True, "fp32 packed")
+    assert "packed (oneDNN)" in choice.reason
+    unpacked = choose_target(costs, allow_pack=False)
+    assert (unpacked.dtype, unpacked.pack) == (torch.float32, False)
+
+
+def test_int8_copy_built_layer_by_layer_equals_pytorchs_quantize_dynamic(shared_models):
+    import copy
+
+    from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
+
+    target = shared_models.target("llama", seed=41, layers=4)
+    before = {name: tensor.clone() for name, tensor in target.state_dict().items()}
+    ours = quantized_copy(target, "int8-dynamic")
+    reference = quantize_dynamic(copy.deepcopy(target).float(), {torch.nn.Linear: per_channel_dynamic_qconfig},
+                                 dtype=torch.qint8)
+    ids = torch.randint(0, target.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.equal(ours(ids).logits, reference(ids).logits)
+    # the source is untouched, and the copy shares none of its tensors
+    assert all(torch.equal(before[name], tensor) for name, tensor in target.state_dict().items())
+    source_pointers = {p.data_ptr() for p in target.parameters()}
+    assert not source_pointers & {p.data_ptr() for p in ours.parameters()}
+
+
+def test_layer_by_layer_conversions_call_back_once_per_replaced_layer():
+    model = make_target(layers=1)
+    linears = [m for m in model.modules() if type(m) is torch.nn.Linear]
+    seen = []
+    quantize_linear_layers(model, after_each=seen.append)
+    assert sorted(map(id, seen)) == sorted(map(id, linears)) and not any(type(m) is torch.nn.Linear for m in model.modules())
+    if compat.onednn_supports(torch.float32):
+        packable = make_target(layers=1)
+        linears = [m for m in packable.modules() if type(m) is torch.nn.Linear]
+        seen = []
+        cpu.pack_linear_layers(packable, after_each=seen.append)
+        assert sorted(map(id, seen)) == sorted(map(id, linears))
+
+
+@pytest.mark.skipif(not __import__("sys").platform.startswith("linux"), reason="madvise on Linux only")
+def test_release_file_pages_never_touches_anonymous_memory_and_keeps_file_data(tmp_path):
+    anonymous = torch.arange(4 * mmap.PAGESIZE, dtype=torch.float32)
+    assert not loading.release_file_pages(anonymous)
+    assert torch.equal(anonymous, torch.arange(4 * mmap.PAGESIZE, dtype=torch.float32))  # untouched
+    path = tmp_path / "weights.bin"
+    values = np.arange(8 * mmap.PAGESIZE, dtype=np.float32)
+    values.tofile(path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # read-only memory: we only read it
+        mapped = torch.from_numpy(np.memmap(path, dtype=np.float32, mode="r")[:])
+    assert float(mapped.sum()) == float(values.sum())  # pages resident
+    assert loading.release_file_pages(mapped)
+    assert torch.equal(mapped, torch.from_numpy(values))  # read again from the file, unchanged
