@@ -41,12 +41,20 @@ SCHEDULES = ("constant", "heuristic", "cost_aware")
 # per-round decay of the running sums: an observation's weight halves after ~7 later rounds, so
 # the estimates follow the text (code copied from the prompt vs. free prose) within one call
 DECAY = 0.9
-# verifications before "cost_aware" trusts its estimates (the configured length is used until then)
+# verifications before "cost_aware" trusts its estimates (until then: the configured length, capped
+# at what pays at `PRIOR_ACCEPTANCE`)
 WARMUP_ROUNDS = 2
 # back-off: rounds without proposals before the first probe, the most ever, and the probe's length
 FIRST_BACKOFF_ROUNDS = 4
 MAX_BACKOFF_ROUNDS = 64
 PROBE_ROUNDS = 2
+# before any evidence, "cost_aware" caps the warm-up proposals at the length that would pay best if
+# this share of tokens were accepted (optimistic: on a flat cost curve it leaves K as configured;
+# where verifying k tokens costs about k steps it drafts one token, not K)
+PRIOR_ACCEPTANCE = 0.8
+# a probe that pays this much better than plain decoding resets the back-off stretch (a probe that
+# merely ties does not: two rounds are noisy, and a lucky one would undo the doubling)
+RESET_MARGIN = 1.1
 
 
 def expected_tokens(acceptance_rate: float, length: int) -> float:
@@ -160,7 +168,18 @@ class ProposalSchedule:
             self._checked_costs = True
             if self._drafting_cannot_pay():
                 self._back_off(MAX_BACKOFF_ROUNDS // 2)
-        return 0 if self.paused_for > 0 else self.current
+        if self.paused_for > 0:
+            return 0
+        if self.kind == "cost_aware" and self.rounds < WARMUP_ROUNDS:
+            return min(self.current, self._warmup_length())
+        return self.current
+
+    def _warmup_length(self) -> int:
+        """The length that pays best at `PRIOR_ACCEPTANCE`, from the costs known before any round
+        (the configured length where they are not known)."""
+        if self.verifier_costs is None or self.step_seconds is None:
+            return self.current
+        return best_length(PRIOR_ACCEPTANCE, self.step_seconds, self.verification_seconds, self.maximum)
 
     def keep_drafting(self, token_probability: float) -> bool:
         """Whether a model drafter should draft one more token this round, given its own
@@ -297,7 +316,8 @@ class ProposalSchedule:
             self._back_off(self.stretch)
             self.stretch = min(2 * self.stretch, MAX_BACKOFF_ROUNDS)
             return
-        self.stretch = FIRST_BACKOFF_ROUNDS
+        if self.yield_tokens / max(self.yield_seconds, 1e-12) >= RESET_MARGIN * self.plain_rate():
+            self.stretch = FIRST_BACKOFF_ROUNDS
         if self.stops_early:
             self.current = self.maximum  # the per-token rule decides where a draft ends
         else:

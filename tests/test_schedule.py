@@ -21,7 +21,9 @@ from hf_polybasic.levels import early_exit
 from hf_polybasic.protocol import Proposal
 from hf_polybasic.schedule import (
     FIRST_BACKOFF_ROUNDS,
+    PRIOR_ACCEPTANCE,
     PROBE_ROUNDS,
+    WARMUP_ROUNDS,
     ProposalSchedule,
     acceptance_rate_estimate,
     best_length,
@@ -144,6 +146,37 @@ def test_failed_probes_double_the_back_off():
             schedule.observe_proposal(length, 0.2)
             schedule.observe_verification(length, 0, 0.1)
     assert stretches[:3] == [4, 8, 16]
+
+
+def test_a_probe_that_only_ties_with_plain_decoding_keeps_the_back_off_doubling():
+    schedule = ProposalSchedule("cost_aware", 4, 16, verifier_costs=Curve(lambda k: 0.1))
+    schedule.stretch = 16  # after a few failed probes
+    # rounds yielding about plain decoding's rate: 2 tokens per 0.19 s against 1 per 0.1 s
+    for _ in range(WARMUP_ROUNDS + PROBE_ROUNDS):
+        length = schedule.length()
+        schedule.observe_proposal(length, 0.09)
+        schedule.observe_verification(length, 1, 0.1)
+    assert schedule.stretch == 16
+    # one that pays clearly more resets it
+    for _ in range(8):
+        length = schedule.length()
+        schedule.observe_proposal(length, 0.001)
+        schedule.observe_verification(length, length, 0.1)
+    assert schedule.stretch == FIRST_BACKOFF_ROUNDS
+
+
+def test_warm_up_rounds_draft_only_what_could_pay_before_any_evidence():
+    """Before any acceptance is seen, K is capped at the length that pays best at PRIOR_ACCEPTANCE:
+    on a curve where k tokens cost k steps, one token; on a flat curve, K as configured."""
+    steep = ProposalSchedule("cost_aware", 4, 16, stops_early=True,
+                             verifier_costs=Curve(lambda k: 0.1 * (1 + 0.7 * (k - 1))), step_seconds=0.01)
+    assert steep.length() == 1
+    flat = ProposalSchedule("cost_aware", 4, 16, stops_early=True, verifier_costs=Curve(lambda k: 0.1),
+                            step_seconds=0.01)
+    assert flat.length() == 4
+    assert ProposalSchedule("constant", 4, 16, verifier_costs=Curve(lambda k: 0.1 * k), step_seconds=0.01).length() == 4
+    expected = best_length(PRIOR_ACCEPTANCE, 0.01, steep.verification_seconds, 16)
+    assert expected == 1
 
 
 def test_keep_drafting_weighs_the_marginal_verification_cost():
