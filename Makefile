@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test docs serve-docs clean
+.PHONY: demo test test-matrix docs serve-docs clean
 
 # torch==2.13.0 is installed first: an unpinned torch would pull a multi-GB CUDA build.
 $(VENV)/.installed: pyproject.toml
@@ -18,8 +18,28 @@ $(VENV)/.installed: pyproject.toml
 demo: $(VENV)/.installed
 	$(BIN)/hf-polybasic demo
 
+# The full suite runs on the transformers release installed in .venv (the newest supported); a
+# representative subset (greedy equality on every architecture, the distribution tests, generate's
+# features incl. streamers and pipelines, the compat checks) runs again on older releases, each
+# installed beside it in .matrix/ (pure-Python wheels, seconds) and put first on PYTHONPATH.
+MATRIX_RELEASES := 4.57.6 5.4.0 5.14.1
+MATRIX_TESTS := tests/test_compat.py tests/test_greedy_equality.py tests/test_sampling_distribution.py \
+	tests/test_generate_features.py
+
 test: $(VENV)/.installed
 	$(BIN)/python -m pytest -q
+	$(MAKE) --no-print-directory test-matrix
+
+test-matrix: $(VENV)/.installed
+	@for release in $(MATRIX_RELEASES); do \
+	  dir=.matrix/transformers-$$release; \
+	  if [ ! -f $$dir/.installed ]; then \
+	    rm -rf $$dir && $(BIN)/pip install --quiet --no-warn-conflicts --target $$dir "transformers==$$release" \
+	      && touch $$dir/.installed || exit 1; \
+	  fi; \
+	  echo "== transformers $$release: $(MATRIX_TESTS)"; \
+	  PYTHONPATH=$$dir $(BIN)/python -m pytest -q -p no:cacheprovider $(MATRIX_TESTS) || exit 1; \
+	done
 
 docs: $(VENV)/.installed
 	$(BIN)/mkdocs build --strict
@@ -28,4 +48,4 @@ serve-docs: $(VENV)/.installed
 	$(BIN)/mkdocs serve
 
 clean:
-	rm -rf $(VENV) site
+	rm -rf $(VENV) site .matrix

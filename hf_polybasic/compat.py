@@ -37,7 +37,7 @@ from packaging.version import Version
 from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
 from transformers.generation import logits_process as lp
 
-TESTED_TRANSFORMERS = (Version("5.23.0"), Version("5.24.0"))  # [low, high)
+TESTED_TRANSFORMERS = (Version("4.57.0"), Version("5.24.0"))  # [low, high): README, "Tested versions"
 TRANSFORMERS_VERSION = Version(transformers.__version__)
 
 
@@ -70,9 +70,19 @@ except ImportError:  # pragma: no cover - older releases
     ROLLBACK_LAYER_TYPES = (DynamicLayer, DynamicSlidingWindowLayer)
 
 
+# transformers >= 5.15: sliding-window layers can keep the states that leave their window
+# (``activate_past_recording``), so a rollback can reach back across several rounds
+HAS_PAST_RECORDING = hasattr(DynamicSlidingWindowLayer, "activate_past_recording")
+
+
 def new_dynamic_cache(model: torch.nn.Module) -> DynamicCache:
-    """A fresh `DynamicCache` laid out for ``model`` (sliding layers where its config says so)."""
-    return DynamicCache(config=model.config.get_text_config(decoder=True))
+    """A fresh `DynamicCache` for ``model``: laid out by its config (sliding layers where it says so)
+    where sliding layers can record their past (transformers >= 5.15); before that, full layers
+    only: a sliding layer there drops what leaves its window, which a rollback may need, while the
+    model's attention masks apply the window whatever the layer keeps."""
+    if HAS_PAST_RECORDING:
+        return DynamicCache(config=model.config.get_text_config(decoder=True))
+    return DynamicCache()
 
 
 def is_dynamic_cache(cache) -> bool:
@@ -89,10 +99,32 @@ def unrollable_layer(cache) -> tuple[int, str] | None:
     return None
 
 
+def replaceable_empty_cache(cache) -> bool:
+    """Whether ``cache`` is an empty one that cannot record its past (sliding layers before
+    transformers 5.15, as `generate` makes them): a fresh `new_dynamic_cache` takes its place."""
+    return (
+        not HAS_PAST_RECORDING
+        and cache.get_seq_length() == 0
+        and any(isinstance(layer, DynamicSlidingWindowLayer) for layer in getattr(cache, "layers", ()))
+    )
+
+
 def record_past_states(cache) -> None:
     """Make sliding-window layers keep the states that leave their window until `restrict_sliding_layers`,
-    so a rollback can reach back across several rounds (transformers' ``activate_past_recording``)."""
-    cache.activate_past_recording()
+    so a rollback can reach back across several rounds (transformers' ``activate_past_recording``).
+
+    Before transformers 5.15 there is no such recording: caches we build have no sliding layers
+    there (`new_dynamic_cache`), and a cache passed in with one is refused with a clear error."""
+    if HAS_PAST_RECORDING:
+        cache.activate_past_recording()
+        return
+    sliding = [i for i, layer in enumerate(cache.layers) if isinstance(layer, DynamicSlidingWindowLayer)]
+    if sliding:
+        raise ValueError(
+            f"the cache passed in (past_key_values) has sliding-window layers ({len(sliding)}, first: {sliding[0]}), "
+            f"which transformers {TRANSFORMERS_VERSION} cannot roll back across rounds; continue without "
+            "past_key_values, or upgrade to transformers >= 5.15"
+        )
 
 
 def remove_last_tokens(cache, count: int) -> None:
@@ -203,6 +235,12 @@ POSITION_ATTRIBUTES: dict[type, str] = {
     lp.SuppressTokensAtBeginLogitsProcessor: "begin_index",
     lp.ForcedEOSTokenLogitsProcessor: "max_length",
 }
+
+
+def logits_processor_classes(*names: str) -> tuple[type, ...]:
+    """The processor classes of these names that this transformers release has (e.g.
+    ``TopHLogitsWarper`` exists from 5.0 on)."""
+    return tuple(getattr(lp, name) for name in names if hasattr(lp, name))
 
 
 def shift_positions(processor: lp.LogitsProcessor, shift: int) -> lp.LogitsProcessor:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 from transformers.generation import logits_process as lp
 
+from . import compat
 from .compat import shift_positions
 
 @dataclass(frozen=True)
@@ -32,24 +33,24 @@ class DecodingRules:
 
 # Processors whose output for a row depends on that row's scores only, never on input_ids. They are
 # applied to all positions of a block in one call instead of one call per position.
-PREFIX_FREE_PROCESSORS: tuple[type, ...] = (
-    lp.TemperatureLogitsWarper,
-    lp.TopKLogitsWarper,
-    lp.TopPLogitsWarper,
-    lp.TopHLogitsWarper,
-    lp.MinPLogitsWarper,
-    lp.TypicalLogitsWarper,
-    lp.EpsilonLogitsWarper,
-    lp.EtaLogitsWarper,
-    lp.InfNanRemoveLogitsProcessor,
-    lp.LogitNormalization,
+PREFIX_FREE_PROCESSORS: tuple[type, ...] = compat.logits_processor_classes(
+    "TemperatureLogitsWarper",
+    "TopKLogitsWarper",
+    "TopPLogitsWarper",
+    "TopHLogitsWarper",
+    "MinPLogitsWarper",
+    "TypicalLogitsWarper",
+    "EpsilonLogitsWarper",
+    "EtaLogitsWarper",
+    "InfNanRemoveLogitsProcessor",
+    "LogitNormalization",
 )
 
 # Processors that keep state across calls or run another model; speculative rollback would replay
 # or skip their calls, so they cannot give the target's exact distribution.
-STATEFUL_PROCESSORS: tuple[type, ...] = (
-    lp.ClassifierFreeGuidanceLogitsProcessor,
-    lp.UnbatchedClassifierFreeGuidanceLogitsProcessor,
+STATEFUL_PROCESSORS: tuple[type, ...] = compat.logits_processor_classes(
+    "ClassifierFreeGuidanceLogitsProcessor",
+    "UnbatchedClassifierFreeGuidanceLogitsProcessor",
 )
 
 

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from . import compat
 from .compat import new_dynamic_cache
 from .config import PolybasicConfig
 from .drafters import Drafter
@@ -89,6 +90,8 @@ def check_request(
     if len(rows) > 1 and streamer is not None:
         raise ValueError("streamers support batch size 1 only (as in transformers); stream one prompt at a time")
     given_cache = model_kwargs.get("past_key_values")
+    if given_cache is not None and compat.replaceable_empty_cache(given_cache):
+        given_cache = new_dynamic_cache(model)  # the one `generate` made, laid out for rollback here
     if given_cache is not None and given_cache.get_seq_length() > 0 and len(rows) > 1:
         raise ValueError("a pre-filled past_key_values can only be continued with a single prompt")
     use_cache = model_kwargs.get("use_cache", generation_config.use_cache) is not False

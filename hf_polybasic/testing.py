@@ -111,7 +111,8 @@ def make_tokenizer(vocab: int = VOCAB):
     backend = Tokenizer(models.BPE(vocab=pieces, merges=[], unk_token="<pad>"))
     backend.decoder = decoders.Fuse()
     tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=backend, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<pad>"
+        tokenizer_object=backend, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<pad>",
+        model_input_names=["input_ids", "attention_mask"],  # no token_type_ids (transformers 4.x adds them)
     )
     tokenizer.padding_side = "left"
     tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"

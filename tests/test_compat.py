@@ -3,6 +3,8 @@
 These are the tests that fail first when a transformers release changes an internal we rely on.
 """
 
+import warnings
+
 import pytest
 import torch
 from transformers import GenerationConfig, StaticCache
@@ -23,8 +25,40 @@ def test_new_cache_has_sliding_layers_where_the_config_says_and_is_dynamic():
     cache = compat.new_dynamic_cache(model)
     assert compat.is_dynamic_cache(cache)
     kinds = [isinstance(layer, DynamicSlidingWindowLayer) for layer in cache.layers]
-    assert kinds == [layer == "sliding_attention" for layer in model.config.layer_types]
+    if compat.HAS_PAST_RECORDING:
+        assert kinds == [layer == "sliding_attention" for layer in model.config.layer_types]
+    else:  # transformers < 5.15: full layers only (sliding ones could not be rolled back)
+        assert not any(kinds)
     assert compat.unrollable_layer(cache) is None
+
+
+def test_full_layers_at_sliding_attention_layers_give_the_same_logits():
+    """What caches are made of before transformers 5.15: the model's masks apply the window."""
+    from transformers import DynamicCache
+
+    model = make_target("gemma3", seed=6)
+    ids = prompt(14, seed=7)
+    cache = DynamicCache()
+    model(ids[:, :9], past_key_values=cache, use_cache=True)
+    stepped = model(ids[:, 9:], past_key_values=cache, use_cache=True, position_ids=torch.arange(9, 14)[None]).logits[0]
+    assert not any(isinstance(layer, DynamicSlidingWindowLayer) for layer in cache.layers)
+    torch.testing.assert_close(stepped, _full_logits(model, ids)[9:], rtol=1e-4, atol=1e-4)
+
+
+def test_a_passed_in_sliding_cache_is_refused_where_it_cannot_record_its_past(monkeypatch):
+    from transformers import DynamicCache
+
+    model = make_target("gemma3", seed=1)
+    sliding = DynamicCache(config=model.config.get_text_config(decoder=True))
+    monkeypatch.setattr(compat, "HAS_PAST_RECORDING", False)
+    with pytest.raises(ValueError, match="past_key_values.*sliding-window layers.*5.15"):
+        compat.record_past_states(sliding)
+    compat.record_past_states(DynamicCache())  # full layers: nothing to record
+    assert compat.replaceable_empty_cache(sliding)  # the empty one generate makes is replaced
+    model(prompt(3), past_key_values=sliding, use_cache=True)
+    assert not compat.replaceable_empty_cache(sliding)  # a filled one is not (and is refused above)
+    monkeypatch.setattr(compat, "HAS_PAST_RECORDING", True)
+    assert not compat.replaceable_empty_cache(DynamicCache(config=model.config.get_text_config(decoder=True)))
 
 
 def test_static_caches_and_foreign_layers_are_recognised():
@@ -54,6 +88,7 @@ def test_removing_tokens_beyond_the_window_and_refeeding_reproduces_a_full_forwa
     torch.testing.assert_close(refed, _full_logits(model, ids)[5:], rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.skipif(not compat.HAS_PAST_RECORDING, reason="transformers < 5.15: our caches have no sliding layers")
 def test_restricting_sliding_layers_bounds_them_to_the_window_and_skips_empty_layers():
     model = make_target("gemma3", seed=4)
     window = model.config.sliding_window
@@ -151,3 +186,23 @@ def test_decoding_defaults_are_transformers_defaults():
     assert compat.resolved_decoding(model)["do_sample"] is False
     sampling = compat.resolved_decoding(model, do_sample=True, temperature=0.7)
     assert sampling["top_k"] == 50 and sampling["temperature"] == 0.7
+
+
+# --- versions -----------------------------------------------------------------------------------------
+def test_an_untested_release_warns_once(monkeypatch):
+    from packaging.version import Version
+
+    monkeypatch.setattr(compat, "_warned", False)
+    monkeypatch.setattr(compat, "TRANSFORMERS_VERSION", Version("4.50.0"))
+    assert not compat.transformers_is_tested()
+    with pytest.warns(UserWarning, match="tested with transformers 4.57.0 <= v < 5.24.0; found 4.50.0"):
+        compat.warn_if_untested()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        compat.warn_if_untested()  # once only
+    monkeypatch.setattr(compat, "TRANSFORMERS_VERSION", Version("5.14.1"))
+    assert compat.transformers_is_tested()
+
+
+def test_processor_classes_a_release_lacks_are_left_out():
+    assert compat.logits_processor_classes("TopKLogitsWarper", "NoSuchWarper") == (lp.TopKLogitsWarper,)
