@@ -26,7 +26,7 @@ import math
 import os
 import statistics
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -300,7 +300,11 @@ class CostCurves:
         measure: how a missing curve is measured (`measure_curve`).
     """
 
-    def __init__(self, directory: Path | str | None | object = DEFAULT_DIRECTORY, measure=measure_curve):
+    def __init__(
+        self,
+        directory: Path | str | None | object = DEFAULT_DIRECTORY,
+        measure: Callable[..., CostCurve] = measure_curve,
+    ):
         self._directory = directory
         self.measure = measure
         self._curves: dict[str, CostCurve] = {}

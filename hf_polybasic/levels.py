@@ -94,15 +94,22 @@ def quantize_linear_layers(model: torch.nn.Module, after_each=None) -> torch.nn.
             for name, child in list(parent.named_children()):
                 if type(child) is not torch.nn.Linear:
                     continue
-                layer = torch.nn.Linear(child.in_features, child.out_features, bias=child.bias is not None)
-                layer.weight.copy_(child.weight)
-                if child.bias is not None:
-                    layer.bias.copy_(child.bias)
+                layer = child if child.weight.dtype == torch.float32 else _float32_linear(child)
                 layer.qconfig = per_channel_dynamic_qconfig
                 setattr(parent, name, DynamicLinear.from_float(layer))
                 if after_each is not None:
                     after_each(child)
     return model
+
+
+def _float32_linear(layer: torch.nn.Linear) -> torch.nn.Linear:
+    """A float32 ``nn.Linear`` with ``layer``'s weights (no random initialisation first)."""
+    upcast = torch.nn.utils.skip_init(torch.nn.Linear, layer.in_features, layer.out_features,
+                                      bias=layer.bias is not None, device=layer.weight.device)
+    upcast.weight.copy_(layer.weight)
+    if layer.bias is not None:
+        upcast.bias.copy_(layer.bias)
+    return upcast
 
 
 def _nf4(model: torch.nn.Module) -> torch.nn.Module:

@@ -11,12 +11,14 @@ import pytest
 import torch
 from transformers import GenerationMixin
 
+from hf_polybasic import compat, cpu
 from hf_polybasic.tools.bench import BenchSettings, Method, rebuild_report, run_benchmark, speedup
 from hf_polybasic.tools.bench import cli as bench_cli
 from hf_polybasic.tools.bench import methods as bench_methods
 from hf_polybasic.tools.bench import prompts
 from hf_polybasic.tools.bench.report import first_difference, question_speeds, summarise
 from hf_polybasic.tools.bench.calls import messages_for
+from hf_polybasic.tools.bench.runner import describe_run
 from hf_polybasic.tools.bench.records import question_seed, read_records
 from hf_polybasic.tools.bench.settings import DECODINGS
 from hf_polybasic.tools.harness import RssSampler
@@ -298,3 +300,16 @@ def test_cli_runs_and_registers_on_a_parser(tmp_path: Path, capsys):
     assert bench_cli.main(["--list-methods"]) == 0
     assert "ours-mid-draft" in capsys.readouterr().out
     assert bench_cli.main(["--methods", "nope", "--output", str(tmp_path / "x")]) == 2
+
+
+def test_a_packed_target_is_a_different_run_whose_greedy_output_stays_exact(tmp_path: Path):
+    if not compat.onednn_supports(torch.float32):
+        pytest.skip("this machine cannot pack float32 linear layers")
+    base = dict(models="tiny", groups=("code",), methods=("plain", "ours-draft-auto"), questions_per_group=1,
+                max_new_tokens=8, output_dir=str(tmp_path), progress=False)
+    unpacked, _, _, run = describe_run(BenchSettings(**base), load=False)
+    packed_set, _, _, packed_run = describe_run(BenchSettings(**base, pack_target=True))
+    assert "packed" in packed_set.labels["target"] and run["fingerprint"] != packed_run["fingerprint"]
+    assert any(isinstance(module, cpu.PackedLinear) for module in packed_set.target.modules())
+    result = run_benchmark(BenchSettings(**base, pack_target=True))
+    assert result.units_run == 2 and result.mismatches == []

@@ -110,3 +110,16 @@ def test_release_file_pages_never_touches_anonymous_memory_and_keeps_file_data(t
     assert float(mapped.sum()) == float(values.sum())  # pages resident
     assert loading.release_file_pages(mapped)
     assert torch.equal(mapped, torch.from_numpy(values))  # read again from the file, unchanged
+
+
+def test_the_costs_command_measures_every_variant_and_writes_its_table(tmp_path):
+    from hf_polybasic.tools.cli import main
+    from hf_polybasic.tools.costs_table import run_costs_table
+
+    text = run_costs_table("tiny", repeats=1, out=str(tmp_path), progress=False)
+    rows = [line for line in text.splitlines() if line.startswith("| tiny")]
+    assert [row.split(" | ")[0] for row in rows] == ["| tiny fp32", "| tiny bf16", "| tiny int8-dynamic"]
+    assert "T(16)/T(1)" in text and "Machine:" in text
+    written = sorted(path.suffix for path in tmp_path.iterdir())
+    assert written == [".json", ".md"]
+    assert main(["costs", "--models", "tiny", "--repeats", "1", "--no-progress"]) == 0

@@ -41,6 +41,13 @@ def _levels(args: argparse.Namespace) -> int:
     return 0
 
 
+def _costs(args: argparse.Namespace) -> int:
+    from .costs_table import run_costs_table
+
+    print(run_costs_table(args.models, args.repeats, args.out, progress=not args.no_progress))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hf-polybasic", description="Polybasic speculative decoding for transformers")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -73,6 +80,14 @@ def build_parser() -> argparse.ArgumentParser:
     levels.add_argument("--repeats", type=int, default=5, help="timed forward passes per cost (median)")
     levels.add_argument("--out", default=None, help="directory for levels_<models>.json and .md")
     levels.set_defaults(handler=_levels)
+
+    costs = commands.add_parser("costs", help="measure T(k), the cost of a forward scoring k tokens, of each way "
+                                "the real models can run on this machine")
+    costs.add_argument("--models", choices=["qwen", "tiny"], default="qwen")
+    costs.add_argument("--repeats", type=int, default=5, help="timed rounds per size (median)")
+    costs.add_argument("--out", default=None, help="directory for costs_<models>_<machine class>.md and .json")
+    costs.add_argument("--no-progress", action="store_true", help="no progress bar")
+    costs.set_defaults(handler=_costs)
 
     add_bench_parser(commands)
     add_plan_parser(commands)

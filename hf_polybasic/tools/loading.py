@@ -128,7 +128,12 @@ def load(name: str, dtype: torch.dtype = torch.float32, cache_dir=None):
 
 
 def pack(model: torch.nn.Module) -> torch.nn.Module:
-    """`hf_polybasic.cpu.pack_linear_layers`, releasing each source weight's file pages at once."""
+    """`hf_polybasic.cpu.pack_linear_layers`, with the file pages of every linear weight handed back
+    first and each one's again right after it is packed: packing then reads one layer at a time from
+    the file, so memory holds the packed layers and one source layer, never both models."""
+    for module in model.modules():
+        if type(module) is torch.nn.Linear:
+            _release_weight(module)
     return cpu.pack_linear_layers(model, after_each=_release_weight)
 
 

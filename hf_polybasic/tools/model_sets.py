@@ -61,9 +61,11 @@ TINY_OPTIONS = {"eos_token_id": None}  # random models: every call generates the
 
 
 def build_model_set(
-    models: str, needs: set[str], target_dtype: str = "fp32", cache_dir=None, load: bool = True
+    models: str, needs: set[str], target_dtype: str = "fp32", cache_dir=None, load: bool = True,
+    pack_target: bool = False,
 ) -> ModelSet:
-    """The target, tokenizer and the pool entries in ``needs``.
+    """The target, tokenizer and the pool entries in ``needs``; ``pack_target`` swaps the target's
+    linear layers for oneDNN-packed ones (`hf_polybasic.cpu`: same products, cheaper small batches).
 
     With ``load=False`` nothing is loaded: the models are None and only the names and the
     description are filled in (enough to describe a run, e.g. to rebuild a report).
@@ -73,15 +75,19 @@ def build_model_set(
     if models not in ("tiny", "qwen"):
         raise ValueError(f"--models must be 'tiny' or 'qwen', got {models!r}")
     needs = {key for key in ("mid", "draft", "draft-fp32") if key in needs}
+    if pack_target:
+        target_dtype_label = f"{target_dtype}, packed"
+    else:
+        target_dtype_label = target_dtype
     if models == "tiny":
-        labels = {"target": f"tiny random Qwen2 target ({target_dtype})", **{k: LABELS['tiny'][k] for k in needs}}
+        labels = {"target": f"tiny random Qwen2 target ({target_dtype_label})", **{k: LABELS['tiny'][k] for k in needs}}
         info = {"models": "tiny", "target": labels["target"], "generate": TINY_OPTIONS}
         model_set = ModelSet("tiny", None, None, {k: None for k in needs}, labels, None, info, dict(TINY_OPTIONS))
     else:
-        labels = {"target": f"Qwen2.5-Coder-1.5B-Instruct ({target_dtype})", **{k: LABELS['qwen'][k] for k in needs}}
+        labels = {"target": f"Qwen2.5-Coder-1.5B-Instruct ({target_dtype_label})", **{k: LABELS['qwen'][k] for k in needs}}
         info = {
             "models": "qwen",
-            "target": f"{QWEN_TARGET} ({target_dtype})",
+            "target": f"{QWEN_TARGET} ({target_dtype_label})",
             "int8": "hf_polybasic.levels.quantized_copy(model_fp32, 'int8-dynamic'): torch quantize_dynamic, "
             "per-channel int8 weights, dynamic int8 activations, every nn.Linear",
             "weights": "GGUF Q4_K_M dequantized to fp32 (hf_polybasic.tools.models)",
@@ -93,6 +99,10 @@ def build_model_set(
             _load_tiny(model_set, target_dtype)
         else:
             _load_qwen(model_set, target_dtype, cache_dir)
+        if pack_target:
+            from .. import cpu
+
+            cpu.pack_linear_layers(model_set.target)
     return model_set
 
 

@@ -28,6 +28,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "target with 0.5B and int8 copies (installed by `hf-polybasic models install`)")
     parser.add_argument("--target-dtype", choices=["fp32", "bf16"], default="fp32",
                         help="dtype of the target (fp32 keeps greedy equality checks meaningful)")
+    parser.add_argument("--pack-target", action="store_true",
+                        help="oneDNN-packed linear layers in the target for every method, plain included "
+                        "(hf_polybasic.cpu; on CPUs where small batches are slow in MKL)")
     parser.add_argument("--methods", type=_names, default=None,
                         help=f"comma-separated method names (default: {','.join(DEFAULT_METHODS)}); plain is "
                         "always run, as the baseline; see --list-methods")
@@ -70,6 +73,7 @@ def settings_from_args(args: argparse.Namespace, command: str | None = None):
     return BenchSettings(
         models=args.models,
         target_dtype=args.target_dtype,
+        pack_target=args.pack_target,
         methods=args.methods,
         question_file=args.question_file,
         groups=args.groups,

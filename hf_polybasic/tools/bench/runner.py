@@ -68,7 +68,8 @@ def describe_run(
     names = resolve_names(settings.methods)
     if model_set is None:
         model_set = build_model_set(
-            settings.models, needed_pool(names), settings.target_dtype, settings.cache_dir, load=load
+            settings.models, needed_pool(names), settings.target_dtype, settings.cache_dir, load=load,
+            pack_target=settings.pack_target,
         )
     methods = build_methods(model_set, names, settings.method_options) + list(extra_methods)
     taken = [m.name for m in methods]

@@ -25,6 +25,7 @@ class BenchSettings:
 
     models: str = "tiny"
     target_dtype: str = "fp32"
+    pack_target: bool = False
     methods: tuple[str, ...] | None = None
     question_file: str | None = None
     groups: tuple[str, ...] | None = None

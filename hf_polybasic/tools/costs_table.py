@@ -1,0 +1,106 @@
+"""``hf-polybasic costs``: the cost curves T(k) of the real models on this machine, as a table.
+
+One row per way the chain's models can run here (the target in float32 and bfloat16, each with and
+without oneDNN-packed linear layers where this machine packs that dtype; the int8 copies of the
+target and of the 0.5B): the median seconds of one forward scoring k new tokens after a 64-token
+context (`hf_polybasic.costs.measure_curve`, the same measurement the cost-aware schedule uses),
+and T(k)/T(1), what a verification of k tokens costs in decoding steps. Models are loaded one at a
+time (`hf_polybasic.tools.loading`), so the peak memory is that of the largest.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from .. import compat, hardware
+from ..costs import MEASURED_TOKENS, CostCurve, measure_curve
+from . import loading
+from .model_sets import QWEN_DRAFT, QWEN_TARGET
+
+
+def qwen_variants() -> dict[str, Callable[[], torch.nn.Module]]:
+    """Label -> loader of each way the real models can run on this machine."""
+
+    def target(dtype, pack):
+        def build():
+            model, _ = loading.load(QWEN_TARGET, dtype)
+            return loading.pack(model) if pack else model
+
+        return build
+
+    variants = {}
+    for dtype, name in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
+        variants[f"1.5B {name}"] = target(dtype, False)
+        if compat.onednn_supports(dtype):
+            variants[f"1.5B {name} packed"] = target(dtype, True)
+    variants["1.5B int8-dynamic"] = lambda: loading.load_int8(QWEN_TARGET)
+    variants["0.5B int8-dynamic"] = lambda: loading.load_int8(QWEN_DRAFT)
+    return variants
+
+
+def tiny_variants() -> dict[str, Callable[[], torch.nn.Module]]:
+    """The same for the tiny random models (seconds; for tests and a first look)."""
+    from ..levels import quantized_copy
+    from ..testing import make_target
+
+    return {
+        "tiny fp32": lambda: make_target("qwen2"),
+        "tiny bf16": lambda: make_target("qwen2").to(torch.bfloat16),
+        "tiny int8-dynamic": lambda: quantized_copy(make_target("qwen2"), "int8-dynamic"),
+    }
+
+
+def measure_variants(
+    variants: dict[str, Callable[[], torch.nn.Module]], tokens: Sequence[int] = MEASURED_TOKENS, repeats: int = 5,
+    progress: bool = True,
+) -> dict[str, CostCurve]:
+    """The cost curve of each variant, loading one model at a time."""
+    curves = {}
+    for label, build in tqdm(variants.items(), desc="cost curves", disable=not progress):
+        model = build()
+        curves[label] = measure_curve(model, tokens=tokens, repeats=repeats)
+        del model
+        gc.collect()
+    return curves
+
+
+def _milliseconds(seconds: float) -> str:
+    return f"{1000 * seconds:.1f}" if seconds < 0.01 else f"{1000 * seconds:.0f}"
+
+
+def render_table(curves: dict[str, CostCurve]) -> str:
+    """Markdown: ms per forward of k tokens, then T(k)/T(1) at the largest k."""
+    sizes = sorted(next(iter(curves.values())).points)
+    header = "| model | " + " | ".join(f"k={k}" for k in sizes) + f" | T({sizes[-1]})/T(1) |"
+    lines = [header, "|---" * (len(sizes) + 2) + "|"]
+    for label, curve in curves.items():
+        cells = " | ".join(_milliseconds(curve.points[k]) for k in sizes)
+        lines.append(f"| {label} | {cells} | {curve.ratio(sizes[-1]):.1f} |")
+    return "\n".join(lines)
+
+
+def run_costs_table(models: str = "qwen", repeats: int = 5, out: str | None = None, progress: bool = True) -> str:
+    """Measure, render (machine line, table) and, with ``out``, write ``costs_<class>.md/.json``."""
+    machine = hardware.describe_machine()
+    variants = qwen_variants() if models == "qwen" else tiny_variants()
+    curves = measure_variants(variants, repeats=repeats, progress=progress)
+    text = (
+        f"Machine: {machine['cpu']}, {machine['class']}, {machine['threads']} threads, torch {machine['torch']}; "
+        f"CPU flags: {', '.join(machine['cpu_flags']) or '-'}\n"
+        f"Median ms of one forward scoring k new tokens after {next(iter(curves.values())).context} cached "
+        f"tokens ({repeats} interleaved rounds after warm-up):\n\n" + render_table(curves) + "\n"
+    )
+    if out is not None:
+        directory = Path(out)
+        directory.mkdir(parents=True, exist_ok=True)
+        slug = machine["torch_cpu_capability"].lower() + ("-emulated" if "emulated" in machine["class"] else "")
+        (directory / f"costs_{models}_{slug}.md").write_text(text)
+        payload = {"machine": machine, "curves": {label: curve.to_dict() for label, curve in curves.items()}}
+        (directory / f"costs_{models}_{slug}.json").write_text(json.dumps(payload, indent=1) + "\n")
+    return text
