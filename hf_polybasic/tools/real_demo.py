@@ -90,8 +90,9 @@ def _peak_rss_gib() -> float:
 
 def run_real_demo(max_new_tokens: int = 128, prompt: str = REAL_PROMPT, target_dtype: str = "auto",
                   allow_pack: bool = True) -> int:
-    """Run the demo; 0 when every output equals plain generate's (or differs only where a bf16
-    target rounds a near-tie differently), else 1."""
+    """Run the demo; with a float32 target 1 when an output differs from plain generate's, else 0;
+    with a bfloat16 target 0 (its k-token forwards round differently, so a near-tie can flip; the
+    table shows which output differed)."""
     machine = hardware.describe_machine()
     print(f"Machine: {machine['cpu']}, {machine['class']}, {machine['threads']} threads; "
           f"CPU flags: {', '.join(machine['cpu_flags']) or '-'}")
