@@ -45,9 +45,11 @@ DECAY = 0.9
 # at what pays at `PRIOR_ACCEPTANCE`)
 WARMUP_ROUNDS = 2
 # back-off: rounds without proposals before the first probe, the most ever, and the probe's length
-FIRST_BACKOFF_ROUNDS = 4
+# (8 and 1, not 4 and 2: on a 64-token answer where no draft pays, bf16 target on an AVX2 CPU,
+# 4 and 2 measured 0.90x plain generate, 8 and 1 0.99x; docs/benchmarks.md)
+FIRST_BACKOFF_ROUNDS = 8
 MAX_BACKOFF_ROUNDS = 64
-PROBE_ROUNDS = 2
+PROBE_ROUNDS = 1
 # before any evidence, "cost_aware" caps the warm-up proposals at the length that would pay best if
 # this share of tokens were accepted (optimistic: on a flat cost curve it leaves K as configured;
 # where verifying k tokens costs about k steps it drafts one token, not K)

@@ -135,7 +135,7 @@ def test_it_backs_off_when_rounds_yield_less_than_plain_decoding_and_probes_agai
 def test_failed_probes_double_the_back_off():
     schedule = ProposalSchedule("cost_aware", 4, 16, verifier_costs=Curve(lambda k: 0.1))
     stretches = []
-    for _ in range(40):
+    for _ in range(120):
         length = schedule.length()
         if length == 0:
             schedule.observe_proposal(0, 0.0)
@@ -145,7 +145,7 @@ def test_failed_probes_double_the_back_off():
                 stretches.append(schedule.stretch)
             schedule.observe_proposal(length, 0.2)
             schedule.observe_verification(length, 0, 0.1)
-    assert stretches[:3] == [4, 8, 16]
+    assert stretches[:3] == [FIRST_BACKOFF_ROUNDS, 2 * FIRST_BACKOFF_ROUNDS, 4 * FIRST_BACKOFF_ROUNDS]
 
 
 def test_a_probe_that_only_ties_with_plain_decoding_keeps_the_back_off_doubling():
