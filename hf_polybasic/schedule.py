@@ -45,7 +45,7 @@ DECAY = 0.9
 # at what pays at `PRIOR_ACCEPTANCE`)
 WARMUP_ROUNDS = 2
 # back-off: rounds without proposals before the first probe, the most ever, and the probe's length
-# (8 and 1, not 4 and 2: on a 64-token answer where no draft pays, bf16 target on an AVX2 CPU,
+# (8 and 1, not 4 and 2: on a 64-token answer where no draft pays, bf16 target on emulated AVX2,
 # 4 and 2 measured 0.90x plain generate, 8 and 1 0.99x; docs/benchmarks.md)
 FIRST_BACKOFF_ROUNDS = 8
 MAX_BACKOFF_ROUNDS = 64
