@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 
 from .compat import onednn_linear, onednn_pack_weight, onednn_supports
+from .modules import replace_modules
 
 __all__ = ["PackedLinear", "pack_linear_layers", "supported_dtypes", "unpack_linear_layers"]
 
@@ -62,16 +63,6 @@ class PackedLinear(torch.nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, dtype={self.dtype}, oneDNN packed"
-
-
-def _swap(model: torch.nn.Module, kind: type, convert) -> int:
-    swapped = 0
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if type(child) is kind:
-                setattr(parent, name, convert(child))
-                swapped += 1
-    return swapped
 
 
 def _check_packable(model: torch.nn.Module) -> None:
@@ -123,12 +114,12 @@ def pack_linear_layers(model: torch.nn.Module, after_each=None) -> torch.nn.Modu
             after_each(linear)
         return packed
 
-    _swap(model, torch.nn.Linear, convert)
+    replace_modules(model, torch.nn.Linear, convert)
     return model
 
 
 @torch.no_grad()
 def unpack_linear_layers(model: torch.nn.Module) -> torch.nn.Module:
     """Undo `pack_linear_layers` (in place): plain ``nn.Linear`` layers with the original weights."""
-    _swap(model, PackedLinear, lambda packed: packed.unpacked())
+    replace_modules(model, PackedLinear, lambda packed: packed.unpacked())
     return model

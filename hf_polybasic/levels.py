@@ -19,6 +19,7 @@ import warnings
 import torch
 
 from .drafters import Drafter, PromptLookup  # re-exported: every kind of level is reachable from here
+from .modules import replace_modules
 
 __all__ = ["Drafter", "PromptLookup", "early_exit", "quantized_copy"]
 
@@ -90,15 +91,15 @@ def quantize_linear_layers(model: torch.nn.Module, after_each=None) -> torch.nn.
         from torch.ao.nn.quantized.dynamic import Linear as DynamicLinear
         from torch.ao.quantization import per_channel_dynamic_qconfig
 
-        for parent in list(model.modules()):
-            for name, child in list(parent.named_children()):
-                if type(child) is not torch.nn.Linear:
-                    continue
-                layer = child if child.weight.dtype == torch.float32 else _float32_linear(child)
-                layer.qconfig = per_channel_dynamic_qconfig
-                setattr(parent, name, DynamicLinear.from_float(layer))
-                if after_each is not None:
-                    after_each(child)
+        def convert(child: torch.nn.Linear) -> torch.nn.Module:
+            layer = child if child.weight.dtype == torch.float32 else _float32_linear(child)
+            layer.qconfig = per_channel_dynamic_qconfig
+            quantized = DynamicLinear.from_float(layer)
+            if after_each is not None:
+                after_each(child)
+            return quantized
+
+        replace_modules(model, torch.nn.Linear, convert)
     return model
 
 

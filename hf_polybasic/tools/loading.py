@@ -14,7 +14,6 @@ from __future__ import annotations
 import ctypes
 import json
 import mmap
-import os
 import shutil
 import sys
 from pathlib import Path
@@ -142,10 +141,3 @@ def load_int8(name: str, cache_dir=None) -> torch.nn.Module:
     from the memory-mapped float32 file (its pages handed back as each layer is done)."""
     model, _ = models.load(name, dtype=torch.float32, cache_dir=cache_dir)
     return quantize_linear_layers(model, after_each=_release_weight).eval()
-
-
-def resident_mib() -> float:
-    """This process's resident memory now (MiB)."""
-    import psutil
-
-    return psutil.Process(os.getpid()).memory_info().rss / 2**20

@@ -34,18 +34,8 @@ def machine_info() -> dict:
 
     from .. import __version__
 
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as handle:
-            for line in handle:
-                if line.lower().startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
     info = {
-        "cpu": cpu,
-        **{key: value for key, value in describe_machine().items() if key != "cpu"},
+        **describe_machine(),
         "logical_cores": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "platform": platform.platform(),

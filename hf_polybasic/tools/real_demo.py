@@ -15,8 +15,6 @@
 
 from __future__ import annotations
 
-import resource
-import sys
 from dataclasses import dataclass
 
 import torch
@@ -25,7 +23,7 @@ from .. import hardware
 from ..drafters import PromptLookup
 from ..integration import generate, last_stats
 from . import loading
-from .harness import timed_call
+from .harness import process_peak_rss_mib, timed_call
 from .model_sets import QWEN_DRAFT, QWEN_TARGET
 
 REAL_PROMPT = (
@@ -81,11 +79,6 @@ def choose_target(costs: dict[str, dict[int, float]], allow_pack: bool = True) -
             f"{1000 * costs[chosen][VERIFY_ROWS]:.1f} ms vs {1000 * costs[plain][VERIFY_ROWS]:.1f} ms"
         )
     return TargetChoice(torch.bfloat16 if chosen.startswith("bf16") else torch.float32, pack, why)
-
-
-def _peak_rss_gib() -> float:
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak / (2**30 if sys.platform == "darwin" else 2**20)
 
 
 def run_real_demo(max_new_tokens: int = 128, prompt: str = REAL_PROMPT, target_dtype: str = "auto",
@@ -162,5 +155,5 @@ def _report(rows, stats, tokenizer, prompt_length, choice: TargetChoice) -> int:
               " tokens can flip; --target-dtype fp32 compares bit for bit)")
     print(f"\nstatistics of {best[0]} (default PolybasicConfig: cost-aware schedule):")
     print(stats[best[0]])
-    print(f"\npeak resident memory of this run: {_peak_rss_gib():.2f} GiB")
+    print(f"\npeak resident memory of this run: {process_peak_rss_mib() / 1024:.2f} GiB")
     return 0 if exact else 1
