@@ -107,7 +107,13 @@ class Verifier:
 
 class IntermediateLevel:
     """A `Verifier` that the level above uses as its proposer: it verifies rounds of the level
-    below until its block holds at least mu tokens (the schedule's length), an EOS or the budget."""
+    below until its block holds at least mu tokens (the schedule's length), an EOS or the budget.
+
+    Each round asks its verifier for one token more than the block has room for, so the level below
+    drafts up to the budget (in a chain of n models every level drafts as soon as 2 tokens remain);
+    `Block.extend` cuts the surplus, which can only be the verifier's own token (the cut block is
+    still an autoregressive sample of this level's distribution, and its cache never held that token).
+    """
 
     def __init__(self, verifier: Verifier, schedule: ProposalSchedule, clock: Clock = DEFAULT_CLOCK):
         self.verifier, self.schedule, self.clock = verifier, schedule, clock
@@ -121,7 +127,9 @@ class IntermediateLevel:
         self._start = sequence.shape[0]
         with timed(self.clock) as span:  # this level and everything below: what the block cost
             while not block.closed and block.size < threshold:
-                round_ = self.verifier.verify(torch.cat([sequence, block.tokens]), budget - block.size)
+                # one more than the block can take: the level below may then draft up to the budget,
+                # and only the verifier's own last token (free from the same forward) can be cut
+                round_ = self.verifier.verify(torch.cat([sequence, block.tokens]), budget - block.size + 1)
                 block.extend(round_.tokens, round_.scores.softmax(-1) if self.verifier.samples else None)
         proposal = block.proposal()
         self._proposed = len(proposal)

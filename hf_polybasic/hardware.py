@@ -14,12 +14,12 @@ from __future__ import annotations
 import os
 import platform
 import statistics
-import time
 from collections.abc import Sequence
 
 import torch
 
 from . import compat
+from .timing import DEFAULT_CLOCK, Clock, timed
 
 # CPU flags that decide which kernels torch and oneDNN can use
 RELEVANT_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_int8",
@@ -88,10 +88,12 @@ def measure_linear(
     dtypes: Sequence[torch.dtype] = (torch.float32, torch.bfloat16),
     rows: Sequence[int] = (1, 8),
     repeats: int = 7,
+    clock: Clock = DEFAULT_CLOCK,
 ) -> dict[str, dict[int, float]]:
     """Median seconds of one ``[rows, in] @ [in, out]`` product per (dtype, kernel): ``"fp32"``,
     ``"bf16"`` (torch's default kernels) and, where oneDNN supports the dtype, ``"fp32 packed"`` /
-    ``"bf16 packed"`` (`hf_polybasic.cpu`). A second or so for a layer of a 1.5B model."""
+    ``"bf16 packed"`` (`hf_polybasic.cpu`), timed with ``clock``. A second or so for a layer of a
+    1.5B model."""
     from .cpu import PackedLinear
 
     results: dict[str, dict[int, float]] = {}
@@ -110,8 +112,8 @@ def measure_linear(
                 module(x)  # warm-up: kernels built for this shape
                 times = []
                 for _ in range(repeats):
-                    started = time.perf_counter()
-                    module(x)
-                    times.append(time.perf_counter() - started)
+                    with timed(clock) as span:
+                        module(x)
+                    times.append(span.seconds)
                 results[name][int(count)] = statistics.median(times)
     return results

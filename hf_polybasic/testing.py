@@ -8,6 +8,8 @@ tokenizer over the same tiny vocabulary, so pipelines, streamers and stop string
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 
 import torch
 from transformers import (
@@ -145,3 +147,32 @@ class SimulatedClock:
             self.advance(cost(int(ids.shape[-1])))
 
         return model.register_forward_pre_hook(hook, with_kwargs=True)
+
+
+@contextmanager
+def simulated_machine(costs: Mapping[torch.nn.Module, Callable[[int], float]]) -> Iterator[Callable]:
+    """``with simulated_machine({model: cost, ...}) as generate:`` a `custom_generate` callable that
+    runs on a `SimulatedClock` charging ``cost(tokens)`` seconds per forward of each model, with cost
+    curves measured on that clock and kept in memory only. Tests of the cost-aware schedule use it
+    to make drafting pay (or not) whatever machine they run on; the hooks are removed on exit."""
+    from .costs import CostCurves
+    from .integration import make_generate
+
+    clock = SimulatedClock()
+    handles = [clock.charge(model, cost) for model, cost in costs.items()]
+    try:
+        yield make_generate(clock=clock, costs=CostCurves(directory=None))
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def cheap_drafting_costs(target, assistants, target_seconds: float = 0.010, step: float = 0.02):
+    """Costs under which drafting pays: the target's forward is flat at ``target_seconds``, each
+    assistant costs ``step`` of the one above it per forward (model assistants only)."""
+    costs, seconds = {target: (lambda tokens: target_seconds)}, target_seconds
+    for model in assistants:
+        if isinstance(model, torch.nn.Module):
+            seconds *= step
+            costs[model] = (lambda tokens, s=seconds: s)
+    return costs

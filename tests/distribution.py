@@ -57,9 +57,10 @@ def exact_joint(target, setting: str) -> np.ndarray:
     return joint.reshape(-1)
 
 
-def sample_counts(target, setting: str, assistants, seed: int, generate=hp.generate, **config) -> np.ndarray:
+def sample_counts(target, setting: str, assistants, seed: int, generate=hp.generate, **config):
     """Histogram over the 512 outcomes of SAMPLES continuations of ``target`` sampled through the
-    chain (``generate``: the `custom_generate` callable, e.g. one built from deliberately wrong parts)."""
+    chain (``generate``: the `custom_generate` callable, e.g. one built from deliberately wrong parts,
+    or one on a simulated machine), and the call's `PolybasicStats` (to prove every level took part)."""
     ids = prompt(3, seed=5, vocab=VOCAB)
     torch.manual_seed(seed)
     out = target.generate(
@@ -70,9 +71,33 @@ def sample_counts(target, setting: str, assistants, seed: int, generate=hp.gener
         custom_generate=generate,
         assistant_models=list(assistants),
         polybasic_config=hp.PolybasicConfig(**config),
+        return_dict_in_generate=True,
         **SETTINGS[setting],
     )
-    return outcome_counts(out[:, ids.shape[1] :])
+    return outcome_counts(out.sequences[:, ids.shape[1] :]), out.polybasic_stats
+
+
+def assert_every_level_took_part(stats, rejections: bool = True, acceptances: bool = True) -> str:
+    """Fail unless the chain ran the algorithm it is meant to test: every level below the target
+    handed up tokens, every level above the bottom verified drafts from the level below (the
+    target and each intermediate level), with ``acceptances`` accepted some of them and, with
+    ``rejections``, every verifier also rejected some (so the residual path of speculative sampling ran too). Returns one line per level
+    (drafted/accepted/proposed/paused), for the record."""
+    lines = []
+    for index, level in enumerate(stats.levels):
+        lines.append(
+            f"{level.name.split()[0]}: drafted {level.drafted}, accepted {level.accepted}, "
+            f"proposed {level.proposed}, paused {level.paused_rounds}"
+        )
+        if index > 0:
+            assert level.proposed > 0, f"{level.name} never handed a token up: " + "; ".join(lines)
+        if index < len(stats.levels) - 1:
+            assert level.drafted > 0 and level.verifications > 0, f"{level.name} never verified a draft: " + "; ".join(lines)
+            if acceptances:
+                assert level.accepted > 0, f"{level.name} never accepted a draft: " + "; ".join(lines)
+            if rejections:
+                assert level.accepted < level.drafted, f"{level.name} never rejected a draft: " + "; ".join(lines)
+    return "; ".join(lines)
 
 
 def outcome_counts(new_tokens: torch.Tensor) -> np.ndarray:
@@ -94,3 +119,11 @@ def chi_square_p_value(counts: np.ndarray, probs: np.ndarray) -> float:
     return float(chisquare(observed, expected).pvalue)
 
 
+def assert_target_could_sample(target, sequences, prompt_length: int, top_k: int) -> None:
+    """Every new token is one the target itself can sample there: among its top-k at that prefix
+    (what top_k leaves possible; a leaked draft of an assistant or a stale cache would break it)."""
+    for row in sequences:
+        logits = target(row.unsqueeze(0)).logits[0, prompt_length - 1 : -1]  # row j predicts new token j
+        allowed = logits.topk(top_k, dim=-1).indices
+        new = row[prompt_length:].to(allowed.device)
+        assert bool((allowed == new.unsqueeze(-1)).any(-1).all()), "a sampled token the target gives probability 0"

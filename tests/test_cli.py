@@ -10,10 +10,14 @@ def test_tiny_demo_runs_and_reports_exactness(capsys):
     assert printed.count("identical to plain greedy: True") == 4
 
 
-def test_models_list_names_every_model(capsys):
-    assert cli.main(["models", "list", "--cache-dir", "/nonexistent-hf-polybasic-cache"]) == 0
-    printed = capsys.readouterr().out
-    assert "qwen2.5-coder-1.5b-instruct" in printed and "not installed" in printed
+def test_models_list_names_every_model_with_its_state(capsys, tmp_path):
+    from hf_polybasic.tools.models import MODELS
+
+    assert cli.main(["models", "list", "--cache-dir", str(tmp_path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    for name in MODELS:  # one line each, and an empty cache has none of them
+        (line,) = [line for line in lines if line.split()[:1] == [name]]
+        assert "not installed" in line
 
 
 def test_levels_on_tiny_models(capsys, tmp_path):

@@ -78,5 +78,15 @@ def test_bf16_models_pack_where_the_cpu_supports_it():
     torch.testing.assert_close(model(ids).logits.float(), plain, rtol=2e-2, atol=2e-2)
 
 
-def test_supported_dtypes_are_what_compat_reports():
-    assert cpu.supported_dtypes() == [d for d in (torch.float32, torch.bfloat16) if compat.onednn_supports(d)]
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_dtype_said_to_be_supported_packs_and_round_trips_and_the_others_are_refused(dtype):
+    model = make_target("llama", seed=10).to(dtype)
+    state = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    if dtype not in cpu.supported_dtypes():
+        with pytest.raises(ValueError, match="cannot pack"):
+            cpu.pack_linear_layers(model)
+        return
+    cpu.pack_linear_layers(model)
+    assert any(isinstance(m, cpu.PackedLinear) for m in model.modules())
+    cpu.unpack_linear_layers(model)
+    assert all(torch.equal(tensor, state[name]) for name, tensor in model.state_dict().items())

@@ -3,6 +3,8 @@
 import pytest
 import torch
 
+from distribution import assert_every_level_took_part, assert_target_could_sample
+
 import hf_polybasic as hp
 from hf_polybasic.testing import prompt
 
@@ -21,11 +23,17 @@ def _cast(model, dtype=None, device=None):
     return copy.to(device=device, dtype=dtype)
 
 
+CONFIG = hp.PolybasicConfig(schedule="constant")  # every level drafts in every round
+
+
 def _greedy_pair(target, assistants, ids, **options):
+    """(chain output, plain output); asserts that every level of the chain drafted and verified."""
     options = dict(do_sample=False, max_new_tokens=24, eos_token_id=None, **options)
     reference = target.generate(ids, **options)
-    out = target.generate(ids, custom_generate=hp.generate, assistant_models=assistants, **options)
-    return out, reference
+    out = target.generate(ids, custom_generate=hp.generate, assistant_models=assistants, polybasic_config=CONFIG,
+                          return_dict_in_generate=True, **options)
+    assert_every_level_took_part(out.polybasic_stats, rejections=False, acceptances=False)
+    return out.sequences, reference
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -35,19 +43,27 @@ def test_low_precision_assistants_under_an_fp32_target(dtype, fp32_chain):
     assert torch.equal(out, reference)
 
 
-def test_low_precision_assistants_sample_without_error(fp32_chain):
+def test_low_precision_assistants_sample_what_the_target_can_sample(fp32_chain):
+    """bf16 assistants report bf16-computed proposals in float32; every sampled token is one the
+    fp32 target can sample (top_k=3), and every level took part. (Exactness of the distribution
+    does not depend on the assistants' dtype: see test_sampling_distribution.)"""
     target, m2, m3 = fp32_chain
     torch.manual_seed(0)
+    ids = prompt(5)
     out = target.generate(
-        prompt(5),
+        ids,
         do_sample=True,
-        top_p=0.9,
+        top_k=3,
         max_new_tokens=16,
         eos_token_id=None,
         custom_generate=hp.generate,
         assistant_models=[_cast(m2, torch.bfloat16), _cast(m3, torch.bfloat16)],
+        polybasic_config=CONFIG,
+        return_dict_in_generate=True,
     )
-    assert out.shape[1] == 5 + 16
+    assert out.sequences.shape[1] == 5 + 16
+    assert_every_level_took_part(out.polybasic_stats, rejections=False, acceptances=False)
+    assert_target_could_sample(target, out.sequences, ids.shape[1], top_k=3)
 
 
 @pytest.mark.cuda
@@ -85,15 +101,19 @@ def test_half_precision_chain_on_gpu_samples_and_decodes(dtype, fp32_chain):
     sampled = target.generate(
         prompt(5).cuda(),
         do_sample=True,
+        top_k=3,
         max_new_tokens=16,
         eos_token_id=None,
         custom_generate=hp.generate,
         assistant_models=[m2, m3],
+        polybasic_config=CONFIG,
         return_dict_in_generate=True,
         output_scores=True,
     )
     assert sampled.sequences.shape[1] == 5 + 16
     assert sampled.scores[0].device.type == "cuda"
+    assert_every_level_took_part(sampled.polybasic_stats, rejections=False, acceptances=False)
+    assert_target_could_sample(target, sampled.sequences, 5, top_k=3)
 
 
 @pytest.mark.cuda
@@ -131,7 +151,8 @@ def test_cpu_drafter_under_gpu_target_with_prefix_dependent_processors(fp32_chai
     assert torch.equal(out, reference)
     torch.manual_seed(0)
     sampled = target.generate(
-        ids, do_sample=True, top_p=0.9, max_new_tokens=16, eos_token_id=None, custom_generate=hp.generate,
-        assistant_models=[m2, m3], **options,
+        ids, do_sample=True, top_k=3, max_new_tokens=16, eos_token_id=None, custom_generate=hp.generate,
+        assistant_models=[m2, m3], polybasic_config=CONFIG, return_dict_in_generate=True, **options,
     )
-    assert sampled.shape[1] == 5 + 16
+    assert sampled.sequences.shape[1] == 5 + 16
+    assert_every_level_took_part(sampled.polybasic_stats, rejections=False, acceptances=False)

@@ -16,8 +16,11 @@ from transformers import (
 )
 
 import hf_polybasic as hp
+from distribution import assert_every_level_took_part
 
-CONFIG = hp.PolybasicConfig(num_draft_tokens=3, block_threshold=4)
+# a constant schedule: on these equal-cost tiny models the cost-aware default would rightly back off,
+# and the features would only meet plain decoding
+CONFIG = hp.PolybasicConfig(num_draft_tokens=3, block_threshold=4, schedule="constant")
 
 
 @pytest.fixture
@@ -32,8 +35,17 @@ def own_chain():
 
 
 def polybasic(target, assistants, *args, **kwargs):
+    """A polybasic call that also proves the chain ran: whenever 2 or more tokens were generated,
+    every level drafted and verified (from the call's statistics)."""
     kwargs.setdefault("polybasic_config", CONFIG)
-    return target.generate(*args, custom_generate=hp.generate, assistant_models=assistants, **kwargs)
+    out = target.generate(*args, custom_generate=hp.generate, assistant_models=assistants, **kwargs)
+    if kwargs.get("max_new_tokens", 0) >= 2:  # the first round of such a call drafts at every level
+        assert_chain_ran(target)
+    return out
+
+
+def assert_chain_ran(target):
+    assert_every_level_took_part(hp.last_stats(target), rejections=False, acceptances=False)
 
 
 @pytest.fixture
@@ -232,6 +244,7 @@ def test_text_streamer_prints_the_generated_text(capsys, chain):
         target, assistants, ids, do_sample=False, max_new_tokens=10, eos_token_id=None,
         streamer=TextStreamer(tokenizer, skip_prompt=True),
     )
+    assert torch.equal(out, target.generate(ids, do_sample=False, max_new_tokens=10, eos_token_id=None))
     printed = capsys.readouterr().out
     assert printed.strip() == tokenizer.decode(out[0, ids.shape[1] :]).strip()
     assert printed.endswith("\n")  # end() flushes and terminates the line
@@ -249,7 +262,8 @@ def test_text_iterator_streamer_finishes(route, own_chain):
         hp.enable(target)
 
         def run():
-            result["out"] = target.generate(ids, assistant_models=assistants, **options)
+            result["out"] = target.generate(ids, assistant_models=assistants, polybasic_config=CONFIG, **options)
+            assert_chain_ran(target)
     else:
 
         def run():
@@ -264,6 +278,7 @@ def test_text_iterator_streamer_finishes(route, own_chain):
         if route == "enable":
             hp.disable(target)
     assert text.strip() == tokenizer.decode(result["out"][0, ids.shape[1] :]).strip()
+    assert torch.equal(result["out"], target.generate(ids, do_sample=False, max_new_tokens=12, eos_token_id=None))
 
 
 # --- pipelines and enable/disable --------------------------------------------------------------------
@@ -276,7 +291,7 @@ def test_pipeline_with_enabled_model_and_batch_size_two(enabled):
     plain = [pipe(p, **options)[0]["generated_text"] for p in prompts]
     batched = pipe(prompts, batch_size=2, assistant_models=assistants, polybasic_config=CONFIG, **options)
     assert [r[0]["generated_text"] for r in batched] == plain
-    assert hp.last_stats(target) is not None
+    assert_chain_ran(target)  # the last batch of the pipeline went through the chain
 
 
 def test_pipeline_without_enable_through_custom_generate(chain):
@@ -285,8 +300,9 @@ def test_pipeline_without_enable_through_custom_generate(chain):
     pipe = pipeline("text-generation", model=target, tokenizer=tokenizer)
     options = dict(do_sample=False, max_new_tokens=8, eos_token_id=None, return_full_text=False)
     expected = pipe("hello", **options)
-    got = pipe("hello", custom_generate=hp.generate, assistant_models=assistants, **options)
+    got = pipe("hello", custom_generate=hp.generate, assistant_models=assistants, polybasic_config=CONFIG, **options)
     assert got == expected
+    assert_chain_ran(target)
 
 
 def test_pipeline_with_chat_messages(enabled):
@@ -295,7 +311,8 @@ def test_pipeline_with_chat_messages(enabled):
     messages = [{"role": "user", "content": "hello"}]
     options = dict(do_sample=False, max_new_tokens=6, eos_token_id=None)
     expected = pipe(messages, **options)
-    assert pipe(messages, assistant_models=assistants, **options) == expected
+    assert pipe(messages, assistant_models=assistants, polybasic_config=CONFIG, **options) == expected
+    assert_chain_ran(target)
 
 
 def test_enable_with_a_default_chain_and_disable(own_chain):

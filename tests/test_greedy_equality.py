@@ -4,8 +4,10 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from distribution import assert_every_level_took_part
+
 from hf_polybasic.schedule import SCHEDULES
-from hf_polybasic.testing import EOS, prompt
+from hf_polybasic.testing import EOS, cheap_drafting_costs, prompt, simulated_machine
 
 import hf_polybasic as hp
 
@@ -35,6 +37,9 @@ def _greedy(target, ids, **kwargs):
 )
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 def test_greedy_output_equals_plain_generate(arch, depth, k, mu, prompt_length, budget, eos_step, seed, schedule, chain_of):
+    """Any chain, K, mu, budget, EOS position and schedule. The cost-aware schedule runs on a
+    simulated machine where drafting pays (on the real one these equal-cost tiny models rightly
+    make it back off); every level drafts and verifies whenever 2 or more tokens are allowed."""
     target, *assistants = chain_of(arch, depth)
     ids = prompt(prompt_length, seed=seed)
     reference = _greedy(target, ids, max_new_tokens=budget, eos_token_id=EOS)
@@ -43,17 +48,21 @@ def test_greedy_output_equals_plain_generate(arch, depth, k, mu, prompt_length, 
         # make a token the target really produces the EOS token, so generation stops mid-output
         eos = int(reference[0, ids.shape[1] + eos_step])
         reference = _greedy(target, ids, max_new_tokens=budget, eos_token_id=[eos, EOS])
-    out = _greedy(
-        target,
-        ids,
-        max_new_tokens=budget,
-        eos_token_id=[eos, EOS],
-        custom_generate=hp.generate,
-        assistant_models=assistants,
-        polybasic_config=hp.PolybasicConfig(num_draft_tokens=k, block_threshold=mu, schedule=schedule),
-    )
-    assert torch.equal(out, reference)
-    assert out.shape[1] - ids.shape[1] <= budget
+    with simulated_machine(cheap_drafting_costs(target, assistants)) as simulated:
+        out = _greedy(
+            target,
+            ids,
+            max_new_tokens=budget,
+            eos_token_id=[eos, EOS],
+            custom_generate=simulated if schedule == "cost_aware" else hp.generate,
+            assistant_models=assistants,
+            polybasic_config=hp.PolybasicConfig(num_draft_tokens=k, block_threshold=mu, schedule=schedule),
+            return_dict_in_generate=True,
+        )
+    assert torch.equal(out.sequences, reference)
+    assert out.sequences.shape[1] - ids.shape[1] <= budget
+    if budget >= 2:
+        assert_every_level_took_part(out.polybasic_stats, rejections=False, acceptances=False)
 
 
 @pytest.mark.parametrize("depth", [2, 3, 4])
@@ -68,8 +77,10 @@ def test_greedy_equality_with_every_prefix_dependent_processor(depth, chain_of):
         eos_token_id=EOS,
     )
     reference = _greedy(target, ids, **options)
-    out = _greedy(target, ids, custom_generate=hp.generate, assistant_models=assistants, **options)
-    assert torch.equal(out, reference)
+    out = _greedy(target, ids, custom_generate=hp.generate, assistant_models=assistants, return_dict_in_generate=True,
+                  polybasic_config=hp.PolybasicConfig(schedule="constant"), **options)
+    assert torch.equal(out.sequences, reference)
+    assert_every_level_took_part(out.polybasic_stats, rejections=False)
 
 
 def test_statistics_count_what_happened(chain_of):

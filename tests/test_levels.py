@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from distribution import ALPHA, chi_square_p_value, sample_counts
+from distribution import ALPHA, assert_every_level_took_part, chi_square_p_value, sample_counts
 
 import hf_polybasic as hp
 from hf_polybasic.drafters import Drafter, PromptLookup
@@ -43,11 +43,12 @@ def test_greedy_equality_with_each_level(kind, depth, four_layer_target):
             ids,
             custom_generate=hp.generate,
             assistant_models=assistants,
-            polybasic_config=hp.PolybasicConfig(num_draft_tokens=3, block_threshold=4),
+            polybasic_config=hp.PolybasicConfig(num_draft_tokens=3, block_threshold=4, schedule="constant"),
             return_dict_in_generate=True,
             **options,
         )
         assert torch.equal(out.sequences, reference)
+        assert_every_level_took_part(out.polybasic_stats, rejections=False, acceptances=False)
     if kind == "prompt_lookup":  # the random target repeats itself, so lookups do get accepted
         assert out.polybasic_stats.levels[-2].accepted > 0
 
@@ -85,12 +86,16 @@ SETTING = "temperature+top_k+top_p"
     ],
 )
 def test_sampling_with_each_level_is_the_target_distribution(name, assistants, exact_distribution, distribution_models):
-    counts = sample_counts(distribution_models[0], SETTING, assistants(distribution_models), seed=7, num_draft_tokens=2, block_threshold=2)
+    counts, stats = sample_counts(distribution_models[0], SETTING, assistants(distribution_models), seed=7,
+                                  num_draft_tokens=2, block_threshold=2, schedule="constant")
+    assert_every_level_took_part(stats, rejections=not name.startswith("prompt lookup, 2"))
     assert chi_square_p_value(counts, exact_distribution(SETTING)) > ALPHA
 
 
 def test_negative_control_a_drafter_that_misreports_its_distribution_is_caught(exact_distribution, distribution_models):
-    counts = sample_counts(distribution_models[0], SETTING, [UniformDrafter(8, lie=True)], seed=7, num_draft_tokens=2)
+    counts, stats = sample_counts(distribution_models[0], SETTING, [UniformDrafter(8, lie=True)], seed=7,
+                                  num_draft_tokens=2, schedule="constant")
+    assert_every_level_took_part(stats)
     assert chi_square_p_value(counts, exact_distribution(SETTING)) < ALPHA
 
 

@@ -10,28 +10,56 @@ import torch
 
 from hf_polybasic import compat, cpu, hardware
 from hf_polybasic.levels import quantize_linear_layers, quantized_copy
-from hf_polybasic.testing import make_target
+from hf_polybasic.costs import cost_key
+from hf_polybasic.testing import SimulatedClock, make_target
 from hf_polybasic.tools import loading
 from hf_polybasic.tools.real_demo import BF16_TOLERANCE, VERIFY_ROWS, choose_target
 
 
-def test_describe_machine_names_what_costs_depend_on(monkeypatch):
-    described = hardware.describe_machine()
-    assert described["torch_cpu_capability"] == torch.backends.cpu.get_cpu_capability()
-    assert set(described["cpu_flags"]) <= set(hardware.RELEVANT_FLAGS)
-    assert described["threads"] == torch.get_num_threads()
-    # a restriction of the kernels shows up in the description
+def test_curves_measured_under_other_kernels_or_threads_are_never_reused(monkeypatch):
+    """The cost key follows what a forward's cost depends on: the same model in the same
+    conditions keeps its key; restricting the kernels (an emulated AVX2 run) or another thread
+    count gives another key, so a curve measured there is not used here."""
+    model = make_target("llama", seed=2)
+    key = cost_key(model)
+    assert cost_key(make_target("llama", seed=3)) == key  # weights' values do not matter
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
     assert hardware.describe_machine()["kernel_variables"] == {"ONEDNN_MAX_CPU_ISA": "AVX2"}
+    assert cost_key(model) != key
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA")
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads + 1)
+        assert cost_key(model) != key
+    finally:
+        torch.set_num_threads(threads)
+    assert cost_key(model) == key
 
 
-def test_measure_linear_times_every_dtype_and_kernel_per_row_count():
-    costs = hardware.measure_linear(32, 48, rows=(1, 4), repeats=2)
-    assert "fp32" in costs and "bf16" in costs
-    for dtype, name in ((torch.float32, "fp32 packed"), (torch.bfloat16, "bf16 packed")):
-        assert (name in costs) == compat.onednn_supports(dtype)
-    for rows in costs.values():
-        assert set(rows) == {1, 4} and all(seconds > 0 for seconds in rows.values())
+def test_measure_linear_reports_the_median_cost_of_each_kernel_and_row_count():
+    """On a simulated clock that charges each kind of layer its own cost per row, the medians are
+    exactly those costs, for every (dtype, kernel) this machine has."""
+    clock = SimulatedClock()
+    charged = {torch.nn.Linear: 0.001, cpu.PackedLinear: 0.0002}
+
+    def charge(module, args):
+        if type(module) in charged:
+            dtype_factor = 2 if args[0].dtype == torch.bfloat16 else 1
+            clock.advance(charged[type(module)] * dtype_factor * args[0].shape[0])
+
+    handle = torch.nn.modules.module.register_module_forward_pre_hook(charge)
+    try:
+        costs = hardware.measure_linear(32, 48, rows=(1, 4), repeats=3, clock=clock)
+    finally:
+        handle.remove()
+    expected = {"fp32": 0.001, "bf16": 0.002}
+    if compat.onednn_supports(torch.float32):
+        expected["fp32 packed"] = 0.0002
+    if compat.onednn_supports(torch.bfloat16):
+        expected["bf16 packed"] = 0.0004
+    assert costs.keys() == expected.keys()
+    for name, per_row in expected.items():
+        assert costs[name] == {1: pytest.approx(per_row), 4: pytest.approx(4 * per_row)}
 
 
 def _costs(fp32, bf16, fp32_packed=None, bf16_packed=None):

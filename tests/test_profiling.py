@@ -63,6 +63,18 @@ def test_profile_row_and_table():
 
 
 def test_levels_table_command_on_tiny_models(tmp_path):
+    """The table and its JSON record say the same thing: every candidate measured, agreement of the
+    target with itself K of K, every other agreement within 0..K, positive costs for models."""
+    import json
+
+    from hf_polybasic.tools.levels_table import LevelProfile
+
     table = run_levels_table("tiny", k=3, new_tokens=8, stride=4, repeats=1, out=tmp_path)
-    assert "| target |" in table and "early exit" in table
-    assert (tmp_path / "levels_tiny.json").exists() and (tmp_path / "levels_tiny.md").read_text().strip() == table
+    record = json.loads((tmp_path / "levels_tiny.json").read_text())
+    rows = [LevelProfile(**row) for row in record["rows"]]
+    assert [row.name for row in rows] == ["target", "int8-dynamic copy", "early exit (2 of 4 layers)", "noisy copy",
+                                         "PromptLookup(max_ngram=3, num_tokens=8)"]
+    assert rows[0].agreement == 3 and all(0 <= row.agreement <= 3 for row in rows)
+    assert all(row.step_seconds > 0 and row.verify_seconds > 0 for row in rows[:-1])  # models
+    assert rows[-1].step_seconds == 0  # the lookup is counted as free
+    assert (tmp_path / "levels_tiny.md").read_text().strip() == table == markdown_table(rows, k=3)

@@ -9,6 +9,7 @@ from hf_polybasic.testing import EOS, PAD, make_chain, make_target, make_tokeniz
 from transformers import DynamicCache, GenerationConfig, StoppingCriteria, StoppingCriteriaList
 
 import hf_polybasic as hp
+from distribution import assert_every_level_took_part
 from hf_polybasic.drafters import Drafter
 from hf_polybasic.outputs import pad_token_id
 from hf_polybasic.verify import speculative_verify
@@ -109,9 +110,11 @@ def test_forced_eos_reaches_every_row_of_a_left_padded_batch():
     batch = tokenizer(texts, return_tensors="pt", padding=True)
     options = dict(do_sample=False, max_new_tokens=6, eos_token_id=EOS, forced_eos_token_id=EOS, pad_token_id=PAD)
     out = target.generate(
-        **batch, custom_generate=hp.generate, assistant_models=assistants,
-        polybasic_config=hp.PolybasicConfig(num_draft_tokens=3, block_threshold=4), **options,
+        **batch, custom_generate=hp.generate, assistant_models=assistants, return_dict_in_generate=True,
+        polybasic_config=hp.PolybasicConfig(num_draft_tokens=3, block_threshold=4, schedule="constant"), **options,
     )
+    assert_every_level_took_part(out.polybasic_stats, rejections=False, acceptances=False)
+    out = out.sequences
     width = batch.input_ids.shape[1]
     for row, text in enumerate(texts):
         single = tokenizer(text, return_tensors="pt")

@@ -4,7 +4,9 @@ On an 8-token vocabulary the exact distribution of 3-token continuations (512 ou
 enumerated with the target's own `generate` as the oracle (its processed scores for every prefix),
 then many continuations are sampled through the chain and compared with a chi-square test at a
 fixed seed. A deliberately wrong chain (proposal reported as the raw instead of the processed
-distribution) must fail the same test.
+distribution) must fail the same test. Every test asserts from the call's statistics that every
+level of its chain drafted and verified: a chain whose lower levels sat out would only test plain
+sampling.
 """
 
 import pytest
@@ -15,6 +17,7 @@ from distribution import (
     SETTINGS,
     STEPS,
     VOCAB,
+    assert_every_level_took_part,
     chi_square_p_value,
     outcome_counts,
     sample_counts,
@@ -23,22 +26,40 @@ from distribution import (
 from hf_polybasic.chain import ChainParts
 from hf_polybasic.drafting import ModelDrafter
 from hf_polybasic.integration import make_generate
-from hf_polybasic.testing import prompt
+from hf_polybasic.testing import cheap_drafting_costs, prompt, simulated_machine
 
 
-@pytest.mark.parametrize(
-    "setting, depth, config",
-    [
-        ("temperature+top_k+top_p", 2, dict(num_draft_tokens=2)),
-        ("temperature+top_k+top_p", 3, dict(num_draft_tokens=2, block_threshold=2)),
-        ("temperature+top_k+top_p", 4, dict(num_draft_tokens=1, block_threshold=(3, 2))),
-        ("repetition_penalty", 3, dict(num_draft_tokens=2, block_threshold=2)),
-        ("min_p", 3, dict(num_draft_tokens=3, block_threshold=1)),
-        ("temperature+top_k+top_p", 3, dict(num_draft_tokens=2, block_threshold=2, verification="greedy")),
-    ],
-)
+CASES = [
+    ("temperature+top_k+top_p", 2, dict(num_draft_tokens=2)),
+    ("temperature+top_k+top_p", 3, dict(num_draft_tokens=2, block_threshold=2)),
+    ("temperature+top_k+top_p", 4, dict(num_draft_tokens=1, block_threshold=(3, 2))),
+    ("temperature+top_k+top_p", 4, dict()),  # the default K and mu: every level drafts even 3 tokens from the end
+    ("repetition_penalty", 3, dict(num_draft_tokens=2, block_threshold=2)),
+    ("min_p", 3, dict(num_draft_tokens=3, block_threshold=1)),
+    ("temperature+top_k+top_p", 3, dict(num_draft_tokens=2, block_threshold=2, verification="greedy")),
+]
+
+
+@pytest.mark.parametrize("setting, depth, config", CASES)
 def test_chain_samples_the_target_distribution(setting, depth, config, distribution_models, exact_distribution):
-    counts = sample_counts(distribution_models[0], setting, distribution_models[1:depth], seed=depth, **config)
+    """The algorithm itself (a constant schedule, so every level drafts in every round)."""
+    counts, stats = sample_counts(
+        distribution_models[0], setting, distribution_models[1:depth], seed=depth, schedule="constant", **config
+    )
+    print(setting, depth, config, assert_every_level_took_part(stats))
+    assert chi_square_p_value(counts, exact_distribution(setting)) > ALPHA
+
+
+@pytest.mark.parametrize("setting, depth", [("temperature+top_k+top_p", 3), ("repetition_penalty", 4)])
+def test_cost_aware_chain_samples_the_target_distribution_where_drafting_pays(
+    setting, depth, distribution_models, exact_distribution
+):
+    """The default schedule, on a simulated machine where every level's drafts pay (a flat, costly
+    target and assistants 50 times cheaper than the level above): it drafts, and stays exact."""
+    target, *assistants = distribution_models[:depth]
+    with simulated_machine(cheap_drafting_costs(target, assistants)) as generate:
+        counts, stats = sample_counts(target, setting, assistants, seed=17, generate=generate, block_threshold=2)
+    print(setting, depth, "cost_aware", assert_every_level_took_part(stats))
     assert chi_square_p_value(counts, exact_distribution(setting)) > ALPHA
 
 
@@ -53,10 +74,11 @@ class RawProposalDrafter(ModelDrafter):
 def test_negative_control_raw_proposal_is_rejected(distribution_models, exact_distribution):
     lossy = make_generate(ChainParts(model_drafter=RawProposalDrafter))
     setting = "temperature+top_k+top_p"
-    counts = sample_counts(
+    counts, stats = sample_counts(
         distribution_models[0], setting, distribution_models[1:2], seed=2, generate=lossy, num_draft_tokens=2,
         schedule="constant",
     )
+    assert_every_level_took_part(stats)  # the same path the positive tests take
     assert chi_square_p_value(counts, exact_distribution(setting)) < ALPHA
 
 

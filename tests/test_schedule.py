@@ -10,7 +10,13 @@ draft (it drops a trailing low-probability token) is lossy, and the test catches
 
 import pytest
 import torch
-from distribution import ALPHA, chi_square_p_value, sample_counts
+from distribution import (
+    ALPHA,
+    assert_every_level_took_part,
+    assert_target_could_sample,
+    chi_square_p_value,
+    sample_counts,
+)
 
 from hf_polybasic.chain import ChainParts
 from hf_polybasic.config import PolybasicConfig
@@ -29,7 +35,8 @@ from hf_polybasic.schedule import (
     best_length,
     expected_tokens,
 )
-from hf_polybasic.testing import SimulatedClock, make_target, noisy_copy, prompt
+import hf_polybasic as hp
+from hf_polybasic.testing import SimulatedClock, cheap_drafting_costs, make_target, noisy_copy, prompt, simulated_machine
 
 
 class Curve:
@@ -196,7 +203,7 @@ def test_keep_drafting_weighs_the_marginal_verification_cost():
 
 
 # --- the policy on simulated machines: deterministic --------------------------------------------
-def _simulated_run(target_cost, drafter_cost, tokens=48, do_sample=False, close_drafter=False):
+def _simulated_run(target_cost, drafter_cost, tokens=48, do_sample=False, close_drafter=False, **options):
     """The target (4 layers) and an early exit of it (1 layer; or a close copy) on a simulated machine."""
     target = make_target("llama", seed=13, layers=4)
     drafter = noisy_copy(target, 0.02, seed=3) if close_drafter else early_exit(target, 1)
@@ -204,7 +211,7 @@ def _simulated_run(target_cost, drafter_cost, tokens=48, do_sample=False, close_
     handles = [clock.charge(target, target_cost), clock.charge(drafter, drafter_cost)]
     generate = make_generate(clock=clock, costs=CostCurves(directory=None))
     ids = prompt(6, seed=4)
-    options = dict(do_sample=do_sample, max_new_tokens=tokens, eos_token_id=None)
+    options = dict(do_sample=do_sample, max_new_tokens=tokens, eos_token_id=None, **options)
     try:
         reference = target.generate(ids, **options)
         out = target.generate(ids, custom_generate=generate, assistant_models=[drafter],
@@ -212,12 +219,12 @@ def _simulated_run(target_cost, drafter_cost, tokens=48, do_sample=False, close_
     finally:
         for handle in handles:
             handle.remove()
-    return reference, out
+    return reference, out, target
 
 
 def test_on_a_machine_where_verification_costs_grow_with_k_it_decodes_plainly():
     """T_target(k) = 10 ms x k (bf16 without bf16 units): no length pays, the target decodes alone."""
-    reference, out = _simulated_run(lambda k: 0.010 * k, lambda k: 0.001 * k)
+    reference, out, _ = _simulated_run(lambda k: 0.010 * k, lambda k: 0.001 * k)
     assert torch.equal(out.sequences, reference)
     target_level, drafter_level = out.polybasic_stats.levels
     assert drafter_level.paused_rounds > 0
@@ -227,7 +234,7 @@ def test_on_a_machine_where_verification_costs_grow_with_k_it_decodes_plainly():
 
 def test_on_a_machine_where_verification_is_flat_it_drafts_long():
     """T_target(k) = 10 ms whatever k (a GPU, or bf16 units): long drafts pay."""
-    reference, out = _simulated_run(lambda k: 0.010, lambda k: 0.0005, close_drafter=True)
+    reference, out, _ = _simulated_run(lambda k: 0.010, lambda k: 0.0005, close_drafter=True)
     assert torch.equal(out.sequences, reference)
     target_level, drafter_level = out.polybasic_stats.levels
     assert drafter_level.paused_rounds == 0
@@ -244,9 +251,15 @@ def test_the_simulated_policy_is_deterministic():
 @pytest.mark.parametrize("schedule", ["heuristic", "cost_aware"])
 @pytest.mark.parametrize("depth", [2, 3])
 def test_varying_schedules_sample_the_target_distribution(schedule, depth, distribution_models, exact_distribution):
+    """Lengths that move between rounds (cost-aware: on a simulated machine where drafting pays, so
+    it drafts; with equal-cost tiny models it would rightly back off and test plain sampling)."""
     setting = "temperature+top_k+top_p"
-    counts = sample_counts(distribution_models[0], setting, distribution_models[1:depth], seed=11, num_draft_tokens=1,
-                           block_threshold=1, schedule=schedule)
+    target, *assistants = distribution_models[:depth]
+    with simulated_machine(cheap_drafting_costs(target, assistants)) as simulated:
+        generate = simulated if schedule == "cost_aware" else hp.generate
+        counts, stats = sample_counts(target, setting, assistants, seed=11, generate=generate, num_draft_tokens=1,
+                                      block_threshold=1, schedule=schedule)
+    assert_every_level_took_part(stats)
     assert chi_square_p_value(counts, exact_distribution(setting)) > ALPHA
 
 
@@ -263,8 +276,9 @@ class SittingOutDrafter(ModelDrafter):
 def test_rounds_without_proposals_keep_the_target_distribution(distribution_models, exact_distribution):
     setting = "temperature+top_k+top_p"
     generate = make_generate(ChainParts(model_drafter=SittingOutDrafter))
-    counts = sample_counts(distribution_models[0], setting, distribution_models[1:2], seed=5, generate=generate,
-                           num_draft_tokens=2, schedule="constant")
+    counts, stats = sample_counts(distribution_models[0], setting, distribution_models[1:2], seed=5, generate=generate,
+                                  num_draft_tokens=2, schedule="constant")
+    assert_every_level_took_part(stats)
     assert chi_square_p_value(counts, exact_distribution(setting)) > ALPHA
 
 
@@ -283,8 +297,9 @@ class PeekingDrafter(ModelDrafter):
 def test_negative_control_length_chosen_after_drafting_is_rejected(distribution_models, exact_distribution):
     lossy = make_generate(ChainParts(model_drafter=PeekingDrafter))
     setting = "temperature+top_k+top_p"
-    counts = sample_counts(distribution_models[0], setting, distribution_models[1:2], seed=11, generate=lossy,
-                           num_draft_tokens=2, schedule="constant")
+    counts, stats = sample_counts(distribution_models[0], setting, distribution_models[1:2], seed=11, generate=lossy,
+                                  num_draft_tokens=2, schedule="constant")
+    assert_every_level_took_part(stats)
     assert chi_square_p_value(counts, exact_distribution(setting)) < ALPHA
 
 
@@ -293,7 +308,12 @@ def test_unknown_schedule_is_a_clear_error():
         PolybasicConfig(schedule="adaptive")
 
 
-def test_sampled_output_on_a_simulated_machine_is_exact_in_length_and_budget():
-    reference, out = _simulated_run(lambda k: 0.010 * k, lambda k: 0.001, tokens=20, do_sample=True)
+def test_sampled_output_on_a_simulated_machine_drafts_and_keeps_the_budget():
+    """Sampling where drafting pays: the drafter drafts, the budget is exact, and every token is one
+    the target can sample (top_k=3); the distribution itself is tested above."""
+    reference, out, target = _simulated_run(lambda k: 0.010, lambda k: 0.0005, tokens=20, do_sample=True,
+                                            close_drafter=True, top_k=3)
     assert out.sequences.shape == reference.shape
+    assert_every_level_took_part(out.polybasic_stats, rejections=False)
+    assert_target_could_sample(target, out.sequences, 6, top_k=3)
 

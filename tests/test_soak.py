@@ -12,9 +12,10 @@ from hf_polybasic.testing import make_chain, make_tokenizer, prompt
 from transformers.cache_utils import DynamicSlidingWindowLayer
 
 import hf_polybasic as hp
+from distribution import assert_target_could_sample
 from hf_polybasic.drafters import PromptLookup
 
-CONFIG = hp.PolybasicConfig(num_draft_tokens=3, block_threshold=4)
+CONFIG = hp.PolybasicConfig(num_draft_tokens=3, block_threshold=4, schedule="constant")  # drafts every round
 
 
 class InterruptAfter:
@@ -55,6 +56,7 @@ def _mixed_calls(calls: int, rss_growth_mib: float) -> None:
                 out = target.generate(ids, assistant_models=chain, polybasic_config=CONFIG, do_sample=True,
                                       temperature=0.8, top_k=20, max_new_tokens=12, eos_token_id=None)
                 assert out.shape == (1, ids.shape[1] + 12)
+                assert_target_could_sample(target, out, ids.shape[1], top_k=20)
             elif kind == 1:  # a stop string, with the cache returned
                 stop = tokenizer.decode([int(reference(call % len(prompts))[0, ids.shape[1] + 4])])
                 out = target.generate(ids, assistant_models=chain, polybasic_config=CONFIG, do_sample=False,
