@@ -66,16 +66,28 @@ def _int8_dynamic_copy(source: torch.nn.Module) -> torch.nn.Module:
             f"quantized_copy(method='int8-dynamic') runs on CPU only; the model is on {sorted(devices)}. "
             "On a GPU use method='bf16'/'fp16' or load a 4-bit checkpoint (bitsandbytes, GPTQ)"
         )
-    shared = {
-        id(tensor): tensor
-        for module in source.modules()
-        if type(module) is torch.nn.Linear
-        for tensor in (module.weight, module.bias)
-        if tensor is not None
-    }
-    clone = copy.deepcopy(source, memo=dict(shared))  # linear weights referenced, not copied
+    clone = copy.deepcopy(source, memo=_linear_only_tensors(source))  # linear weights referenced, not copied
     quantize_linear_layers(clone)  # now the clone holds none of the source's tensors
     return clone.float().eval()
+
+
+def _linear_only_tensors(model: torch.nn.Module) -> dict[int, torch.Tensor]:
+    """A deepcopy memo of the tensors only ``nn.Linear`` layers hold, mapped to themselves (not
+    copied, as quantization replaces them). A tensor that another module also holds (a tied
+    ``lm_head``/``embed_tokens``) is left out: the copy needs its own."""
+    elsewhere = {
+        id(tensor)
+        for module in model.modules()
+        if type(module) is not torch.nn.Linear
+        for tensor in [*module.parameters(recurse=False), *module.buffers(recurse=False)]
+    }
+    return {
+        id(tensor): tensor
+        for module in model.modules()
+        if type(module) is torch.nn.Linear
+        for tensor in (module.weight, module.bias)
+        if tensor is not None and id(tensor) not in elsewhere
+    }
 
 
 @torch.no_grad()
@@ -93,6 +105,10 @@ def quantize_linear_layers(model: torch.nn.Module, after_each=None) -> torch.nn.
 
         def convert(child: torch.nn.Linear) -> torch.nn.Module:
             layer = child if child.weight.dtype == torch.float32 else _float32_linear(child)
+            if layer is child and child.bias is not None:
+                # the quantized layer keeps its bias tensor as given: give it one of its own (a copy
+                # must not change when the model it was made from is cast or changed in place)
+                layer.bias = torch.nn.Parameter(child.bias.detach().clone(), requires_grad=False)
             layer.qconfig = per_channel_dynamic_qconfig
             quantized = DynamicLinear.from_float(layer)
             if after_each is not None:

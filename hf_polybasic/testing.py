@@ -27,7 +27,7 @@ BOS = 1
 PAD = 0
 
 
-def _config(arch: str, vocab: int = VOCAB, layers: int = 2, sliding_window: int = 6, **extra):
+def _config(arch: str, vocab: int = VOCAB, layers: int = 2, sliding_window: int = 6, tied: bool = False, **extra):
     common = dict(
         vocab_size=vocab,
         hidden_size=32,
@@ -39,7 +39,7 @@ def _config(arch: str, vocab: int = VOCAB, layers: int = 2, sliding_window: int 
         bos_token_id=BOS,
         eos_token_id=EOS,
         pad_token_id=PAD,
-        tie_word_embeddings=False,
+        tie_word_embeddings=tied,
         **extra,
     )
     if arch == "llama":
@@ -55,7 +55,8 @@ def _config(arch: str, vocab: int = VOCAB, layers: int = 2, sliding_window: int 
 
 
 def make_target(arch: str = "llama", seed: int = 0, vocab: int = VOCAB, logit_scale: float = 4.0, **extra):
-    """A random target whose output layer is scaled up, so its distributions are peaked."""
+    """A random target whose output layer is scaled up, so its distributions are peaked
+    (``tied=True``: the output layer is the input embedding, as in Qwen2.5 and Gemma 3)."""
     cls, config = _config(arch, vocab=vocab, **extra)
     torch.manual_seed(seed)
     model = cls(config).eval()

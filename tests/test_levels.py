@@ -164,6 +164,28 @@ def test_quantized_copy_shares_nothing_mutable(four_layer_target):
         quantized_copy(target, "int3")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("method", ["int8-dynamic", "bf16", "fp16"])
+def test_a_copy_of_a_tied_model_is_independent_of_it_both_ways(method, dtype):
+    """Qwen2.5 ties lm_head to embed_tokens. A copy must not share the tied tensor: building it
+    leaves the target's dtypes alone, and casting the target afterwards leaves the copy working."""
+    target = make_target("qwen2", seed=21, tied=True).to(dtype)
+    assert target.lm_head.weight is target.model.embed_tokens.weight
+    ids = prompt(5, seed=1)
+    before = target(ids).logits
+    copy = quantized_copy(target, method)
+    assert {p.dtype for p in target.parameters()} == {dtype}  # the target is as it was
+    assert torch.equal(target(ids).logits, before)
+    target_tensors = {id(t) for t in [*target.parameters(), *target.buffers()]}
+    assert not target_tensors & {id(t) for t in [*copy.parameters(), *copy.buffers()]}
+    expected = copy(ids).logits
+    target.to(torch.float16 if dtype == torch.bfloat16 else torch.bfloat16)  # the other order: change the target
+    with torch.no_grad():
+        for parameter in target.parameters():
+            parameter.zero_()
+    assert torch.equal(copy(ids).logits, expected)
+
+
 def test_drafter_must_be_last_and_must_return_valid_proposals(four_layer_target):
     target = four_layer_target
     ids = prompt(4)
