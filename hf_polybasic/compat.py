@@ -4,14 +4,16 @@ Nothing else in the package reads a private attribute of transformers or relies 
 changed between releases; the functions below say which internal they touch and why. Grouped by
 topic:
 
-* caches: `new_dynamic_cache`, `is_dynamic_cache`, `unrollable_layer`, `record_past_states`,
-  `remove_last_tokens`, `restrict_sliding_layers` (cache layer classes and their ``keys``,
-  ``values``, ``cumulative_length``, ``is_initialized`` fields; ``crop``'s argument);
+* caches: `new_dynamic_cache`, `is_dynamic_cache`, `unrollable_layer`, `replaceable_empty_cache`,
+  `record_past_states`, `stop_recording_past_states`, `remove_last_tokens`, `restrict_sliding_layers`
+  (cache layer classes and their ``keys``, ``values``, ``cumulative_length``, ``is_initialized``,
+  ``record_past`` fields; ``crop``'s argument);
 * models: `accepts_logits_to_keep`, `is_stateful`;
 * generate: `streamer_of_calling_generate` (the caller's frame), `prepared_pad_token_id`
   (``GenerationConfig._pad_token_tensor``), `mark_as_user_config` (``_from_model_config``);
 * loading: `detach_gguf_quantizer` (``hf_quantizer`` of a model dequantized from GGUF);
 * logits processors: `shift_positions` (the attributes that hold absolute positions),
+  `processor_for_row` (the attributes that hold the whole batch's prompts or call the user per row),
   `decoding_processors` and `resolved_decoding` (the processors and defaults `generate` builds, for
   the planner, which scores without calling `generate`);
 * torch: `onednn_supports`, `onednn_pack_weight`, `onednn_linear` (oneDNN's prepacked linear,
@@ -99,13 +101,17 @@ def unrollable_layer(cache) -> tuple[int, str] | None:
     return None
 
 
-def replaceable_empty_cache(cache) -> bool:
-    """Whether ``cache`` is an empty one that cannot record its past (sliding layers before
-    transformers 5.15, as `generate` makes them): a fresh `new_dynamic_cache` takes its place."""
-    return (
-        not HAS_PAST_RECORDING
-        and cache.get_seq_length() == 0
-        and any(isinstance(layer, DynamicSlidingWindowLayer) for layer in getattr(cache, "layers", ()))
+def replaceable_empty_cache(cache, made_by_generate: bool) -> bool:
+    """Whether ``cache`` is an empty one a chain cannot roll back, which a fresh `new_dynamic_cache`
+    replaces: one that `generate` built for ``cache_implementation`` (static, hybrid, quantized; some
+    hub configs set it), or, before transformers 5.15, one with sliding-window layers (they cannot
+    record their past there). A cache the caller built stays theirs: it is used or refused."""
+    if cache.get_seq_length() != 0:
+        return False
+    if not is_dynamic_cache(cache):
+        return made_by_generate
+    return not HAS_PAST_RECORDING and any(
+        isinstance(layer, DynamicSlidingWindowLayer) for layer in getattr(cache, "layers", ())
     )
 
 
@@ -125,6 +131,14 @@ def record_past_states(cache) -> None:
             f"which transformers {TRANSFORMERS_VERSION} cannot roll back across rounds; continue without "
             "past_key_values, or upgrade to transformers >= 5.15"
         )
+
+
+def stop_recording_past_states(cache) -> None:
+    """Undo `record_past_states` on a cache handed back to the caller: its sliding layers drop what
+    leaves their window again (``record_past``, transformers >= 5.15; as `generate` itself does)."""
+    for layer in getattr(cache, "layers", ()):
+        if getattr(layer, "record_past", False):
+            layer.record_past = False
 
 
 def remove_last_tokens(cache, count: int) -> None:
@@ -252,6 +266,30 @@ def shift_positions(processor: lp.LogitsProcessor, shift: int) -> lp.LogitsProce
     shifted = copy.copy(processor)
     setattr(shifted, attribute, getattr(processor, attribute) - shift)
     return shifted
+
+
+def processor_for_row(processor: lp.LogitsProcessor, row: int, prompt: torch.LongTensor) -> lp.LogitsProcessor:
+    """``processor`` for row ``row`` of the (expanded) batch decoded alone, as a batch of one whose
+    prompt is ``prompt`` ``[L]`` (without its left padding); itself when it holds nothing per row.
+
+    * `PrefixConstrainedLogitsProcessor`: the user's function gets the row's index as ``batch_id``,
+      as in the batched `generate` (``_prefix_allowed_tokens_fn``, ``_num_beams``);
+    * `EncoderRepetitionPenaltyLogitsProcessor` / `EncoderNoRepeatNGramLogitsProcessor`: they hold the
+      whole batch's prompts (``encoder_input_ids``), and see the row's own.
+    """
+    if isinstance(processor, lp.PrefixConstrainedLogitsProcessor):
+        function = processor._prefix_allowed_tokens_fn
+        view = copy.copy(processor)
+        view._prefix_allowed_tokens_fn = lambda batch_id, sent: function(row, sent)
+        view._num_beams = 1
+        return view
+    if isinstance(processor, lp.EncoderRepetitionPenaltyLogitsProcessor):
+        view = copy.copy(processor)
+        view.encoder_input_ids = prompt.unsqueeze(0).to(processor.encoder_input_ids.device)
+        return view
+    if isinstance(processor, lp.EncoderNoRepeatNGramLogitsProcessor):
+        return type(processor)(processor.ngram_size, prompt.unsqueeze(0))
+    return processor
 
 
 # transformers' values for options that neither the call nor the model's generation config sets

@@ -82,9 +82,11 @@ def decode_rows(
     results, total = [], None
     warned = False  # about levels that disagree: once per call
     is_model = [True] + [not isinstance(m, Drafter) for m in request.assistants]
-    for row, cache in zip(request.rows, request.caches):
+    for index, (row, cache) in enumerate(zip(request.rows, request.caches)):
         removed_padding = request.padded_width - row.shape[0]
-        rules = DecodingRules(processors_for_row(processors, removed_padding), request.do_sample, request.eos_token_ids)
+        rules = DecodingRules(
+            processors_for_row(processors, index, row, removed_padding), request.do_sample, request.eos_token_ids
+        )
         chain = build_chain(target, request.assistants, request.config, rules, cache, parts, clock, costs)
         with timed(clock) as span:
             result = decode_row(chain.top, row, request.max_length - removed_padding, stopping_criteria, request)

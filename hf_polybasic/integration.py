@@ -18,7 +18,7 @@ from transformers import GenerationMixin
 from transformers.generation import StoppingCriteriaList, StopStringCriteria
 
 from .chain import ChainParts
-from .compat import streamer_of_calling_generate, warn_if_untested
+from .compat import stop_recording_past_states, streamer_of_calling_generate, warn_if_untested
 from .config import PolybasicConfig
 from .costs import DEFAULT_COST_CURVES, CostCurves
 from .engine import decode_rows
@@ -82,6 +82,8 @@ def make_generate(
             synced_gpus, streamer, model_kwargs,
         )
         results, stats = decode_rows(model, request, logits_processor, stopping_criteria, parts, clock, costs)
+        if request.given_cache is not None:
+            stop_recording_past_states(request.given_cache)  # handed back as generate would
         if streamer is not None:
             streamer.end()
         setattr(model, LAST_STATS_ATTRIBUTE, stats)

@@ -14,7 +14,7 @@ import torch
 from transformers.generation import logits_process as lp
 
 from . import compat
-from .compat import shift_positions
+from .compat import processor_for_row, shift_positions
 
 @dataclass(frozen=True)
 class DecodingRules:
@@ -51,15 +51,24 @@ PREFIX_FREE_PROCESSORS: tuple[type, ...] = compat.logits_processor_classes(
 STATEFUL_PROCESSORS: tuple[type, ...] = compat.logits_processor_classes(
     "ClassifierFreeGuidanceLogitsProcessor",
     "UnbatchedClassifierFreeGuidanceLogitsProcessor",
+    "SynthIDTextWatermarkLogitsProcessor",  # counts its calls and keeps a context across them
+    "WhisperNoSpeechDetection",
+    "DiaClassifierFreeGuidanceLogitsProcessor",
+    "DiaEOSDelayPatternLogitsProcessor",
 )
 
 
-def processors_for_row(processors: lp.LogitsProcessorList, removed_padding: int) -> lp.LogitsProcessorList:
-    """The processors for one row of a batch, ``removed_padding`` left-padding tokens shorter
-    (processors that count absolute positions are shifted, see `compat.shift_positions`)."""
-    if removed_padding == 0:
-        return processors
-    return lp.LogitsProcessorList(shift_positions(processor, removed_padding) for processor in processors)
+def processors_for_row(
+    processors: lp.LogitsProcessorList, row: int, prompt: torch.LongTensor, removed_padding: int
+) -> lp.LogitsProcessorList:
+    """The processors for row ``row`` of a batch, decoded alone from ``prompt`` ``[L]``, which is
+    ``removed_padding`` left-padding tokens shorter than the batch: processors that count absolute
+    positions are shifted (`compat.shift_positions`), those that hold something per row see this
+    row's (`compat.processor_for_row`: a prefix constraint's ``batch_id``, the prompt of encoder
+    repetition penalties)."""
+    return lp.LogitsProcessorList(
+        shift_positions(processor_for_row(processor, row, prompt), removed_padding) for processor in processors
+    )
 
 
 def reject_stateful_processors(processors: lp.LogitsProcessorList) -> None:
@@ -67,8 +76,9 @@ def reject_stateful_processors(processors: lp.LogitsProcessorList) -> None:
     for processor in processors:
         if isinstance(processor, STATEFUL_PROCESSORS):
             raise ValueError(
-                f"{type(processor).__name__} (e.g. from `guidance_scale`) keeps state across calls and cannot be "
-                "used with speculative decoding, whose verification rolls positions back; remove it or use plain generate"
+                f"{type(processor).__name__} (from `guidance_scale`, `watermarking_config` with SynthID, or a "
+                "model-specific option) keeps state across calls, which speculative decoding calls out of order and "
+                "rolls back; remove the option or use plain generate"
             )
 
 

@@ -7,6 +7,7 @@ hidden states, right padding, ...); see ``docs/reference/errors.md`` for every m
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -87,11 +88,23 @@ def check_request(
     config.thresholds_for(len(assistants) - 1)  # validates a per-level mu sequence before any work
 
     rows = row_prompts(input_ids, model_kwargs.get("attention_mask"))
+    check_position_ids(model_kwargs.get("position_ids"), rows)
     if len(rows) > 1 and streamer is not None:
         raise ValueError("streamers support batch size 1 only (as in transformers); stream one prompt at a time")
     given_cache = model_kwargs.get("past_key_values")
-    if given_cache is not None and compat.replaceable_empty_cache(given_cache):
-        given_cache = new_dynamic_cache(model)  # the one `generate` made, laid out for rollback here
+    # generate refuses cache_implementation next to a cache of the caller's: with it set, generate built this one
+    made_by_generate = getattr(generation_config, "cache_implementation", None) is not None
+    if given_cache is not None and compat.replaceable_empty_cache(given_cache, made_by_generate):
+        if not compat.is_dynamic_cache(given_cache):
+            warnings.warn(
+                f"hf_polybasic replaces the empty {type(given_cache).__name__} that "
+                f"cache_implementation={generation_config.cache_implementation!r} made with a DynamicCache: a "
+                "speculative chain cuts rejected tokens from its caches, which a static, hybrid or quantized cache "
+                "cannot do",
+                UserWarning,
+                stacklevel=4,
+            )
+        given_cache = new_dynamic_cache(model)  # laid out for rollback here
     if given_cache is not None and given_cache.get_seq_length() > 0 and len(rows) > 1:
         raise ValueError("a pre-filled past_key_values can only be continued with a single prompt")
     use_cache = model_kwargs.get("use_cache", generation_config.use_cache) is not False
@@ -162,8 +175,25 @@ def validate_assistant_models(target, assistant_models, tokenizer=None) -> list:
     return models
 
 
+# generation modes `generate` would pick from the options, other than greedy search and sampling, and
+# what selects them; a callable `custom_generate` replaces transformers' dispatch, so they are refused
+# here instead of silently becoming greedy search or sampling
+OTHER_GENERATION_MODES = {
+    "contrastive_search": "`penalty_alpha` (contrastive search)",
+    "dola_generation": "`dola_layers` (DoLa decoding)",
+    "constrained_beam_search": "`constraints` / `force_words_ids` (constrained beam search)",
+    "group_beam_search": "`num_beam_groups` (group beam search)",
+}
+
+
 def validate_generation_config(generation_config) -> None:
     """Reject options that speculative decoding cannot honour, instead of ignoring them."""
+    mode = str(getattr(generation_config.get_generation_mode(), "value", generation_config.get_generation_mode()))
+    if mode in OTHER_GENERATION_MODES:
+        raise ValueError(
+            f"{OTHER_GENERATION_MODES[mode]} selects another decoding method than greedy search or sampling, which is "
+            "all hf_polybasic runs; remove the option, or use plain generate for that method"
+        )
     if generation_config.num_beams is not None and generation_config.num_beams > 1:
         raise ValueError(
             f"num_beams={generation_config.num_beams}: hf_polybasic supports greedy search and sampling, not beam search"
@@ -190,6 +220,26 @@ def resolve_config(polybasic_config, generation_config) -> PolybasicConfig:
     if isinstance(polybasic_config, dict):
         return PolybasicConfig.from_dict(polybasic_config)
     raise TypeError(f"`polybasic_config` must be a PolybasicConfig or a dict, got {type(polybasic_config).__name__}")
+
+
+def check_position_ids(position_ids: torch.Tensor | None, rows: list[torch.LongTensor]) -> None:
+    """Raise unless ``position_ids`` are the ones the chain uses anyway: each row's tokens numbered
+    0, 1, ... after its left padding (what `generate` derives from the attention mask when the
+    call gives none). Custom positions would be dropped, so they are refused."""
+    if position_ids is None:
+        return
+    position_ids = position_ids.reshape(-1, position_ids.shape[-1]) if position_ids.dim() > 1 else position_ids[None]
+    for index, row in enumerate(rows):
+        given = position_ids[min(index, position_ids.shape[0] - 1)]
+        width = min(given.shape[0], row.shape[0])
+        expected = torch.arange(row.shape[0] - width, row.shape[0], device=given.device)
+        if not torch.equal(given[given.shape[0] - width :].long(), expected):
+            raise ValueError(
+                f"custom `position_ids` are not supported by hf_polybasic (row {index} ends with positions "
+                f"{given[given.shape[0] - width :].tolist()[-8:]}, not {expected.tolist()[-8:]}): every model of the "
+                "chain numbers a row's tokens 0, 1, ... after its left padding, as generate does from attention_mask; "
+                "leave position_ids out"
+            )
 
 
 def row_prompts(input_ids: torch.LongTensor, attention_mask: torch.Tensor | None) -> list[torch.LongTensor]:

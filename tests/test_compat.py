@@ -54,11 +54,11 @@ def test_a_passed_in_sliding_cache_is_refused_where_it_cannot_record_its_past(mo
     with pytest.raises(ValueError, match="past_key_values.*sliding-window layers.*5.15"):
         compat.record_past_states(sliding)
     compat.record_past_states(DynamicCache())  # full layers: nothing to record
-    assert compat.replaceable_empty_cache(sliding)  # the empty one generate makes is replaced
+    assert compat.replaceable_empty_cache(sliding, made_by_generate=True)  # the empty one generate makes is replaced
     model(prompt(3), past_key_values=sliding, use_cache=True)
-    assert not compat.replaceable_empty_cache(sliding)  # a filled one is not (and is refused above)
+    assert not compat.replaceable_empty_cache(sliding, made_by_generate=True)  # a filled one is not (and is refused above)
     monkeypatch.setattr(compat, "HAS_PAST_RECORDING", True)
-    assert not compat.replaceable_empty_cache(DynamicCache(config=model.config.get_text_config(decoder=True)))
+    assert not compat.replaceable_empty_cache(DynamicCache(config=model.config.get_text_config(decoder=True)), True)
 
 
 def test_static_caches_and_foreign_layers_are_recognised():

@@ -98,6 +98,9 @@ def test_disagreeing_eos_is_an_incompatible_tokenizer(chain):
         (dict(return_dict_in_generate=True, output_attentions=True), "output_attentions"),
         (dict(return_dict_in_generate=True, output_hidden_states=True), "output_hidden_states"),
         (dict(output_hidden_states=True), "output_hidden_states"),
+        (dict(penalty_alpha=0.6, top_k=4), "penalty_alpha"),
+        (dict(dola_layers="high"), "dola_layers"),
+        (dict(num_beams=4, num_beam_groups=2, diversity_penalty=0.5), "num_beam_groups"),
     ],
 )
 def test_unsupported_generation_options(options, message, chain):
@@ -105,6 +108,24 @@ def test_unsupported_generation_options(options, message, chain):
     error = NotImplementedError if message.startswith("output_") else ValueError
     with pytest.raises(error, match=message):
         run(target, chain[1:], **options)
+
+
+def test_a_stateful_watermark_is_refused(chain):
+    from transformers import SynthIDTextWatermarkingConfig
+
+    target = chain[0]
+    watermark = SynthIDTextWatermarkingConfig(ngram_len=2, keys=[11, 12, 13, 14])
+    with pytest.raises(ValueError, match="SynthIDTextWatermarkLogitsProcessor.*keeps state"):
+        run(target, chain[1:], do_sample=True, watermarking_config=watermark)
+
+
+def test_custom_position_ids_are_refused_and_generates_own_are_accepted(chain):
+    target = chain[0]
+    ids = prompt(4)
+    with pytest.raises(ValueError, match=r"custom `position_ids` are not supported.*\[5, 6, 7, 8\]"):
+        run(target, chain[1:], position_ids=torch.arange(5, 9)[None])
+    out = run(target, chain[1:], position_ids=torch.arange(4)[None])  # what generate would derive anyway
+    assert torch.equal(out, target.generate(ids, max_new_tokens=4))
 
 
 def test_unknown_model_inputs_are_named(chain):

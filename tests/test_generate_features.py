@@ -197,6 +197,58 @@ def test_left_padded_batch_equals_rows_generated_alone(chain):
         assert (out[row, width + new.shape[0] :] == PAD).all()
 
 
+def test_a_prefix_constraint_is_asked_for_each_row_by_its_own_batch_id(chain):
+    """prefix_allowed_tokens_fn(batch_id, ids) gets each row's index, as in the batched generate
+    (rows decoded one by one were all asked as batch 0)."""
+    target, *assistants = chain
+    tokenizer = make_tokenizer()
+    texts = ["hello!there", "ab", "xyz"]
+    allowed = {0: list(range(3, 30)), 1: list(range(30, 60)), 2: list(range(60, 96))}
+    batch = tokenizer(texts, return_tensors="pt", padding=True)
+    options = dict(do_sample=False, max_new_tokens=10, eos_token_id=None, pad_token_id=PAD)
+    out = polybasic(target, assistants, **batch, prefix_allowed_tokens_fn=lambda b, ids: allowed[b], **options)
+    width = batch.input_ids.shape[1]
+    for row, text in enumerate(texts):
+        single = tokenizer(text, return_tensors="pt")
+        alone = target.generate(**single, prefix_allowed_tokens_fn=lambda b, ids, r=row: allowed[r], **options)
+        assert set(out[row, width:].tolist()) <= set(allowed[row])
+        assert torch.equal(out[row, width:], alone[0, single.input_ids.shape[1] :])
+
+
+def test_encoder_repetition_penalty_sees_each_rows_own_prompt(chain):
+    target, *assistants = chain
+    tokenizer = make_tokenizer()
+    texts = ["hello!there", "ab", "xyz"]
+    batch = tokenizer(texts, return_tensors="pt", padding=True)
+    options = dict(do_sample=False, max_new_tokens=10, eos_token_id=None, pad_token_id=PAD,
+                   encoder_repetition_penalty=0.2, encoder_no_repeat_ngram_size=2)
+    out = polybasic(target, assistants, **batch, **options)
+    width = batch.input_ids.shape[1]
+    for row, text in enumerate(texts):
+        single = tokenizer(text, return_tensors="pt")
+        alone = target.generate(**single, **options)
+        assert torch.equal(out[row, width:], alone[0, single.input_ids.shape[1] :])
+
+
+def test_a_static_cache_from_cache_implementation_is_replaced_with_a_warning(chain):
+    target, *assistants = chain
+    ids = prompt(5, seed=14)
+    options = dict(do_sample=False, max_new_tokens=10, eos_token_id=None)
+    with pytest.warns(UserWarning, match="replaces the empty StaticCache that cache_implementation='static' made"):
+        out = polybasic(target, assistants, ids, cache_implementation="static", return_dict_in_generate=True, **options)
+    assert torch.equal(out.sequences, target.generate(ids, **options))
+    assert type(out.past_key_values).__name__ == "DynamicCache"
+    assert out.past_key_values.get_seq_length() == out.sequences.shape[1] - 1
+
+
+def test_the_returned_cache_no_longer_records_its_past(shared_models):
+    target, *assistants = shared_models.chain("gemma3", 3, seed=11)  # sliding-window layers
+    out = polybasic(target, assistants, prompt(5, seed=15), do_sample=False, max_new_tokens=12, eos_token_id=None,
+                    return_dict_in_generate=True)
+    layers = out.past_key_values.layers
+    assert not any(getattr(layer, "record_past", False) for layer in layers)
+
+
 def test_min_new_tokens_counts_new_tokens_of_each_padded_row(chain):
     target, *assistants = chain
     tokenizer = make_tokenizer()
