@@ -222,8 +222,9 @@ def build_chain(
     estimates = [None] * len(models)
     if config.schedule == "cost_aware" and costs is not None:
         for index, runner in enumerate(runners):
-            if runner is not None:
-                estimates[index] = runner.cost_observer = CostEstimate(costs.curve_for(models[index], clock))
+            curve = None if runner is None else costs.curve_for(models[index], clock, measure=config.measure_costs)
+            if curve is not None:  # None: not stored and not to be measured; the schedule goes by the call's timings
+                estimates[index] = runner.cost_observer = CostEstimate(curve)
     schedules = [None] * len(models)
 
     bottom = len(models) - 1

@@ -55,12 +55,17 @@ class PolybasicConfig:
             because it was the fastest on every chain of the benchmark (docs: Benchmarks). Every
             schedule is lossless; ``"cost_aware"`` depends on timings, so sampled outputs are not
             bit-reproducible from a seed with it: use ``"constant"`` or ``"heuristic"`` for that.
+        measure_costs: under ``"cost_aware"``, measure a model's forward costs on this machine the
+            first time it is used (~25 forwards, kept on disk: `hf_polybasic.costs`). False: use
+            stored curves only (``hf-polybasic costs`` measures ahead), else the call's own timings;
+            so does ``HF_POLYBASIC_MEASURE_COSTS=0``.
     """
 
     num_draft_tokens: int = 4
     block_threshold: int | tuple[int, ...] = 8
     verification: Literal["auto", "greedy"] = "auto"
     schedule: Literal["constant", "heuristic", "cost_aware"] = "cost_aware"
+    measure_costs: bool = True
 
     def __post_init__(self) -> None:
         k = self.num_draft_tokens
@@ -86,6 +91,8 @@ class PolybasicConfig:
             )
         if self.schedule not in SCHEDULES:
             raise ValueError(f"PolybasicConfig.schedule must be one of {SCHEDULES}, got {self.schedule!r}")
+        if not isinstance(self.measure_costs, bool):
+            raise ValueError(f"PolybasicConfig.measure_costs must be True or False, got {self.measure_costs!r}")
 
     def thresholds_for(self, num_intermediate_levels: int) -> tuple[int, ...]:
         """mu for each intermediate level, strongest first; errors if a sequence has the wrong length."""

@@ -65,8 +65,18 @@ def machine_class() -> str:
     return name
 
 
-def describe_machine() -> dict:
-    """What the costs depend on: CPU, its relevant flags, what torch and oneDNN use of them, threads."""
+def gpu_names(devices: Sequence[torch.device | str] = ()) -> list[str] | None:
+    """The names of the CUDA devices among ``devices`` (of a model, not torch's current device),
+    None when there are none."""
+    cuda = sorted({torch.device(d) for d in devices if torch.device(d).type == "cuda"}, key=str)
+    if not cuda:
+        return None
+    return [f"{device}: {torch.cuda.get_device_name(device)}" for device in cuda]
+
+
+def describe_machine(devices: Sequence[torch.device | str] = ()) -> dict:
+    """What the costs depend on: CPU, its relevant flags, what torch and oneDNN use of them, threads,
+    and the GPUs among ``devices`` (the ones a model lives on)."""
     flags = cpu_flags()
     return {
         "cpu": cpu_name(),
@@ -77,7 +87,7 @@ def describe_machine() -> dict:
         "kernel_variables": {key: os.environ[key] for key in KERNEL_VARIABLES if key in os.environ},
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
-        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        "gpu": gpu_names(devices),
     }
 
 

@@ -1,0 +1,66 @@
+"""`CostEstimate`: T(k) of one model during one call, corrected online by the forwards it makes."""
+
+from __future__ import annotations
+
+import math
+
+from .curve import CostCurve, interpolate_cost, nondecreasing
+
+# forwards feeding more tokens than this (prefills, long catch-ups) do not update an estimate
+ONLINE_MAX_TOKENS = 32
+# weight of the newest forward in the running scale of an estimate
+ONLINE_DECAY = 0.8
+
+
+class CostEstimate:
+    """T(k) of one model during one call: the curve, corrected by what its forwards cost now.
+
+    Every forward of at most `ONLINE_MAX_TOKENS` tokens updates a running, decayed mean of
+    log(observed / predicted): one for the curve as a whole (a busy machine scales every cost
+    alike) and one at the measured point nearest to the forward's size (so a wrong shape is
+    corrected where decoding works). Longer forwards (prefills, catch-ups) are left out.
+
+    Attributes:
+        observed: forwards that updated the estimate.
+        last_seconds: seconds of the most recent forward, whatever its size.
+    """
+
+    def __init__(self, curve: CostCurve):
+        self.curve = curve
+        self._whole = [0.0, 0.0]  # decayed sum of log ratios, decayed weight
+        self._at = {k: [0.0, 0.0] for k in curve.points}
+        self.observed = 0
+        self.last_seconds: float | None = None
+
+    def _nearest_point(self, tokens: int) -> int:
+        return min(self.curve.points, key=lambda k: abs(math.log(k) - math.log(tokens)))
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        self.last_seconds = seconds
+        if not 1 <= tokens <= ONLINE_MAX_TOKENS or seconds <= 0:
+            return
+        ratio = math.log(seconds / self.curve.seconds(tokens))
+        for running in (self._whole, self._at[self._nearest_point(tokens)]):
+            running[0] = ONLINE_DECAY * running[0] + ratio
+            running[1] = ONLINE_DECAY * running[1] + 1.0
+        self.observed += 1
+
+    def scale(self, point: int | None = None) -> float:
+        """observed / measured at a measured ``point`` (that point's own evidence when it has some,
+        else the whole curve's), or for the curve as a whole."""
+        running = self._at.get(point) if point is not None else None
+        if running is None or running[1] < 1.0:
+            running = self._whole
+        return math.exp(running[0] / running[1]) if running[1] else 1.0
+
+    def points(self) -> dict[int, float]:
+        """``{k: seconds}`` at the measured k, as this call sees them now."""
+        return {k: v * self.scale(k) for k, v in self.curve.points.items()}
+
+    def seconds(self, k: float) -> float:
+        return interpolate_cost(self.points(), k)
+
+    def snapshot(self) -> dict[int, float]:
+        """``{k: seconds}`` at the measured k as the schedule uses them (made nondecreasing in k)."""
+        points = dict(sorted(self.points().items()))
+        return dict(zip(points, nondecreasing(list(points.values()))))

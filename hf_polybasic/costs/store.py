@@ -1,0 +1,170 @@
+"""`CostCurves`: the cost curves a process uses, measured once, kept in memory and on disk.
+
+The store never breaks `generate`: a directory it cannot read or write, a file that is not a curve
+(torn, foreign, valid JSON of another shape) and two processes writing the same curve all fall back
+to measuring (or to memory only) with one warning. Curves are written atomically under a unique
+temporary name. Measuring takes ~25 forwards of the model; it holds a lock for that model's key
+only, so other models are not blocked. ``HF_POLYBASIC_MEASURE_COSTS=0`` (or
+``PolybasicConfig(measure_costs=False)``) skips measuring: a model without a stored curve then
+runs with the costs its own forwards show during the call (`hf-polybasic costs` measures ahead).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import tempfile
+import threading
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from ..timing import DEFAULT_CLOCK, Clock
+from .curve import CostCurve
+from .estimate import CostEstimate
+from .measure import cost_key, measure_curve
+
+log = logging.getLogger("hf_polybasic")
+
+COSTS_DIRECTORY_VARIABLE = "HF_POLYBASIC_COSTS"
+MEASURE_VARIABLE = "HF_POLYBASIC_MEASURE_COSTS"
+
+
+def default_directory() -> Path | None:
+    """Where curves are kept: ``$HF_POLYBASIC_COSTS`` (empty: nowhere), else ``~/.cache/hf_polybasic/costs``."""
+    value = os.environ.get(COSTS_DIRECTORY_VARIABLE)
+    if value is not None:
+        return Path(value).expanduser() if value.strip() else None
+    return Path.home() / ".cache" / "hf_polybasic" / "costs"
+
+
+def measuring_allowed() -> bool:
+    """False when ``$HF_POLYBASIC_MEASURE_COSTS`` is 0 / false / no / off."""
+    return os.environ.get(MEASURE_VARIABLE, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+DEFAULT_DIRECTORY = object()  # CostCurves' default: `default_directory()`, read when first needed
+
+
+class CostCurves:
+    """The cost curves of the models a process uses: measured on first use of each (model, machine),
+    kept in memory and on disk, refreshed from the forwards of decoding.
+
+    Args:
+        directory: where curves are kept as JSON (None: memory only; the default: `default_directory`,
+            read when first needed).
+        measure: how a missing curve is measured (`hf_polybasic.costs.measure_curve`).
+    """
+
+    def __init__(
+        self,
+        directory: Path | str | None | object = DEFAULT_DIRECTORY,
+        measure: Callable[..., CostCurve] = measure_curve,
+    ):
+        self._directory = directory
+        self.measure = measure
+        self._curves: dict[str, CostCurve] = {}
+        self._locks: dict[str, threading.Lock] = {}
+        self._guard = threading.Lock()  # held only to look up or add a key's lock
+        self._warned: set[str] = set()
+
+    @property
+    def directory(self) -> Path | None:
+        if self._directory is DEFAULT_DIRECTORY:
+            return default_directory()
+        return None if self._directory is None else Path(self._directory)
+
+    def _path(self, key: str) -> Path | None:
+        directory = self.directory
+        return None if directory is None else directory / f"{key}.json"
+
+    def _lock(self, key: str) -> threading.Lock:
+        with self._guard:
+            return self._locks.setdefault(key, threading.Lock())
+
+    def curve_for(
+        self, model: torch.nn.Module, clock: Clock = DEFAULT_CLOCK, measure: bool = True
+    ) -> CostCurve | None:
+        """The curve of ``model`` on this machine: from memory, else from disk, else measured now
+        (only this model's key is locked meanwhile). None when there is none and measuring is off
+        (``measure=False`` or ``$HF_POLYBASIC_MEASURE_COSTS=0``)."""
+        key = cost_key(model)
+        with self._lock(key):
+            if key in self._curves:
+                return self._curves[key]
+            curve = self._load(key)
+            if curve is None:
+                if not (measure and measuring_allowed()):
+                    return None
+                log.info("hf_polybasic: measuring the forward costs of %s on this machine", type(model).__name__)
+                curve = self.measure(model, clock=clock)
+                self._save(key, curve)
+            self._curves[key] = curve
+            return curve
+
+    def refresh(self, model: torch.nn.Module, estimate: CostEstimate) -> None:
+        """Move the stored curve towards what ``estimate`` saw during a call (each point by its
+        observed / measured ratio, weighted by how many forwards the call made), so the next call
+        starts from today's costs."""
+        if estimate.observed == 0:
+            return
+        key = cost_key(model)
+        with self._lock(key):
+            curve = self._curves.get(key)
+            if curve is None or curve is not estimate.curve:
+                return
+            weight = min(1.0, estimate.observed / 50)
+            factors = {k: estimate.scale(k) ** weight for k in curve.points}
+            curve.points = {k: v * factors[k] for k, v in curve.points.items()}
+            curve.observations += estimate.observed
+            if max(abs(math.log(f)) for f in factors.values()) > 0.05:
+                self._save(key, curve)
+
+    def _warn_once(self, what: str, message: str) -> None:
+        if what not in self._warned:
+            self._warned.add(what)
+            warnings.warn(message, UserWarning, stacklevel=4)
+
+    def _load(self, key: str) -> CostCurve | None:
+        path = self._path(key)
+        if path is None:
+            return None
+        try:
+            if not path.is_file():
+                return None
+            return CostCurve.from_dict(json.loads(path.read_text()))
+        except (OSError, ValueError) as error:  # unreadable, torn or foreign: measure again
+            self._warn_once(
+                f"read {path.parent}",
+                f"hf_polybasic: could not read the cost curve {path} ({error!r}); measuring the forward costs again "
+                f"(set {COSTS_DIRECTORY_VARIABLE} to a directory of your own, or to '' to keep curves in memory only)",
+            )
+            return None
+
+    def _save(self, key: str, curve: CostCurve) -> None:
+        path = self._path(key)
+        if path is None:
+            return
+        partial = None
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=f".{key}.", suffix=".partial",
+                                             delete=False) as handle:
+                partial = Path(handle.name)
+                handle.write(json.dumps(curve.to_dict(), indent=1) + "\n")
+            os.replace(partial, path)  # atomic: readers see the old curve or the new one, never a torn file
+        except OSError as error:  # a read-only home: curves then live for this process only
+            if partial is not None:
+                partial.unlink(missing_ok=True)
+            self._warn_once(
+                f"write {path.parent}",
+                f"hf_polybasic: could not store a cost curve in {path.parent} ({error!r}); curves live in memory "
+                "for this process only",
+            )
+
+
+DEFAULT_COST_CURVES = CostCurves()

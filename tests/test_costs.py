@@ -1,0 +1,157 @@
+"""The cost-curve store never breaks `generate`: unreadable or foreign files and concurrent writers
+fall back to measuring with one warning; measuring can be switched off; measuring one model does not
+block another."""
+
+import json
+import threading
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+import hf_polybasic as hp
+from hf_polybasic.costs import CostCurve, CostCurves, cost_key
+from hf_polybasic.integration import make_generate
+from hf_polybasic.testing import make_target, noisy_copy, prompt
+
+
+class CountingMeasure:
+    """A measure function that returns a fixed curve and counts its calls (per model key)."""
+
+    def __init__(self):
+        self.calls: list[str] = []
+
+    def __call__(self, model, clock=None):
+        self.calls.append(cost_key(model))
+        return CostCurve({1: 0.01, 2: 0.011, 4: 0.012, 8: 0.014, 16: 0.02})
+
+
+@pytest.fixture(scope="module")
+def model():
+    return make_target("llama", seed=51)
+
+
+def test_a_measured_curve_is_stored_and_found_by_the_next_process(tmp_path, model):
+    measure = CountingMeasure()
+    first = CostCurves(tmp_path, measure=measure).curve_for(model)
+    again = CostCurves(tmp_path, measure=measure).curve_for(model)  # a new process: from disk
+    assert measure.calls == [cost_key(model)]
+    assert again.points == first.points
+    assert [p.name for p in tmp_path.iterdir()] == [f"{cost_key(model)}.json"]  # no temporary file left
+
+
+@pytest.mark.parametrize(
+    "content",
+    ['[]', 'null', '"a string"', '{"format": 1, "points": [1, 2]}', '{"format": 1, "points": {"a": 1}}',
+     '{"format": 1, "points": {"1": -3}}', '{"format": 1, "points": {"1": 0.1}, "context": {}}', '{"form', ''],
+)
+def test_a_file_that_is_not_a_curve_is_measured_again_with_one_warning(tmp_path, model, content):
+    path = tmp_path / f"{cost_key(model)}.json"
+    path.write_text(content)
+    measure = CountingMeasure()
+    store = CostCurves(tmp_path, measure=measure)
+    with pytest.warns(UserWarning, match="could not read the cost curve") as caught:
+        curve = store.curve_for(model)
+    assert len(caught) == 1 and measure.calls == [cost_key(model)]
+    assert CostCurve.from_dict(json.loads(path.read_text())).points == curve.points  # replaced by a good one
+
+
+def test_an_unreadable_directory_falls_back_to_measuring(tmp_path, model, monkeypatch):
+    real_is_file = Path.is_file
+
+    def refused(self):
+        if self.parent == tmp_path:
+            raise PermissionError(13, "Permission denied", str(self))
+        return real_is_file(self)
+
+    monkeypatch.setattr(Path, "is_file", refused)
+    measure = CountingMeasure()
+    with pytest.warns(UserWarning, match="could not read the cost curve.*Permission denied"):
+        curve = CostCurves(tmp_path, measure=measure).curve_for(model)
+    assert curve is not None and len(measure.calls) == 1
+
+
+def test_generate_runs_on_a_store_it_can_neither_read_nor_write(tmp_path, model, monkeypatch):
+    blocked = tmp_path / "a-file-not-a-directory"
+    blocked.write_text("")
+    generate = make_generate(costs=CostCurves(blocked / "costs", measure=CountingMeasure()))
+    ids = prompt(5, seed=2)
+    options = dict(do_sample=False, max_new_tokens=8, eos_token_id=None)
+    with pytest.warns(UserWarning, match="could not store a cost curve"):
+        out = model.generate(ids, custom_generate=generate, assistant_models=[noisy_copy(model, 0.05, 1)], **options)
+    assert torch.equal(out, model.generate(ids, **options))
+
+
+def test_concurrent_writers_never_leave_a_torn_or_temporary_file(tmp_path, model):
+    key = cost_key(model)
+    curves = [CostCurve({1: 0.01 * (i + 1), 16: 0.02 * (i + 1)}, description={"pad": "x" * 20000}) for i in range(4)]
+    errors, seen = [], []
+
+    def write(store, curve):
+        for _ in range(30):
+            store._save(key, curve)
+
+    def read():
+        for _ in range(200):
+            path = tmp_path / f"{key}.json"
+            if path.exists():
+                try:
+                    seen.append(CostCurve.from_dict(json.loads(path.read_text())).points[1])
+                except (OSError, ValueError) as error:
+                    errors.append(error)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a writer tripping over another one would warn
+        threads = [threading.Thread(target=write, args=(CostCurves(tmp_path), c)) for c in curves]
+        threads.append(threading.Thread(target=read))
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    assert not errors
+    assert seen and set(seen) <= {c.points[1] for c in curves}
+    assert [p.name for p in tmp_path.iterdir()] == [f"{key}.json"]
+
+
+@pytest.mark.parametrize("how", ["config", "environment"])
+def test_measuring_can_be_switched_off(tmp_path, model, monkeypatch, how):
+    measure = CountingMeasure()
+    generate = make_generate(costs=CostCurves(tmp_path, measure=measure))
+    config = hp.PolybasicConfig(measure_costs=False) if how == "config" else hp.PolybasicConfig()
+    if how == "environment":
+        monkeypatch.setenv("HF_POLYBASIC_MEASURE_COSTS", "0")
+    ids = prompt(5, seed=3)
+    options = dict(do_sample=False, max_new_tokens=12, eos_token_id=None)
+    out = model.generate(ids, custom_generate=generate, assistant_models=[noisy_copy(model, 0.05, 1)],
+                         polybasic_config=config, return_dict_in_generate=True, **options)
+    assert measure.calls == [] and not list(tmp_path.iterdir())
+    assert torch.equal(out.sequences, model.generate(ids, **options))
+    assert all(level.forward_costs is None for level in out.polybasic_stats.levels)  # went by the call's timings
+    with pytest.raises(ValueError, match="measure_costs must be True or False"):
+        hp.PolybasicConfig(measure_costs="no")
+
+
+def test_measuring_one_model_does_not_block_another(tmp_path, model):
+    other = make_target("llama", seed=52, layers=3)  # another shape: another key
+    assert cost_key(other) != cost_key(model)
+    started, release = threading.Event(), threading.Event()
+
+    def slow_measure(measured, clock=None):
+        if measured is model:
+            started.set()
+            assert release.wait(30)
+        return CostCurve({1: 0.01, 16: 0.02})
+
+    store = CostCurves(None, measure=slow_measure)
+    first = threading.Thread(target=store.curve_for, args=(model,))
+    first.start()
+    assert started.wait(30)
+    done = threading.Event()
+    second = threading.Thread(target=lambda: (store.curve_for(other), done.set()))
+    second.start()
+    finished_while_blocked = done.wait(10)
+    release.set()
+    first.join()
+    second.join()
+    assert finished_while_blocked
