@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from . import compat
-from .timing import DEFAULT_CLOCK, Clock, timed
+from .timing import DEFAULT_CLOCK, Clock, cuda_devices, synchronize, timed
 
 
 def model_label(model: torch.nn.Module) -> str:
@@ -88,6 +88,7 @@ class CachedModel:
         self.role = role
         self.clock = clock
         self.device = model.device
+        self.cuda_devices = cuda_devices(model)  # synchronized at the end of each timed forward
         if cache is not None:
             check_rollback_support(model, cache, role)
             compat.record_past_states(cache)
@@ -120,6 +121,7 @@ class CachedModel:
                     input_ids=inputs, position_ids=positions, past_key_values=self.cache, use_cache=True, **kwargs
                 )
             logits = outputs.logits[0, -num_positions:, : self.vocab_limit].float()
+            synchronize(self.cuda_devices)  # on a GPU, time the work, not its launch
         if self.cost_observer is not None:
             self.cost_observer.observe(int(fed.shape[0]), span.seconds)
         self.forward_passes += 1

@@ -14,6 +14,7 @@ topic:
 * loading: `detach_gguf_quantizer` (``hf_quantizer`` of a model dequantized from GGUF);
 * logits processors: `shift_positions` (the attributes that hold absolute positions),
   `processor_for_row` (the attributes that hold the whole batch's prompts or call the user per row),
+  `processor_on_device` (the tensors a processor holds),
   `decoding_processors` and `resolved_decoding` (the processors and defaults `generate` builds, for
   the planner, which scores without calling `generate`);
 * torch: `onednn_supports`, `onednn_pack_weight`, `onednn_linear` (oneDNN's prepacked linear,
@@ -290,6 +291,23 @@ def processor_for_row(processor: lp.LogitsProcessor, row: int, prompt: torch.Lon
     if isinstance(processor, lp.EncoderNoRepeatNGramLogitsProcessor):
         return type(processor)(processor.ngram_size, prompt.unsqueeze(0))
     return processor
+
+
+def processor_on_device(processor: lp.LogitsProcessor, device: torch.device) -> lp.LogitsProcessor:
+    """``processor`` with the tensors it holds (EOS ids, suppressed tokens, epsilon, ...) on ``device``
+    (a copy), or itself when it holds none elsewhere. `generate` builds processors on the device of
+    ``input_ids``; a chain decodes where its target runs."""
+    moved = {
+        name: value.to(device)
+        for name, value in vars(processor).items()
+        if isinstance(value, torch.Tensor) and value.device != torch.device(device)
+    }
+    if not moved:
+        return processor
+    view = copy.copy(processor)
+    for name, value in moved.items():
+        setattr(view, name, value)
+    return view
 
 
 # transformers' values for options that neither the call nor the model's generation config sets

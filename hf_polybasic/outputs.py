@@ -40,8 +40,8 @@ def assemble_output(
         return sequences
     return PolybasicGenerateOutput(
         sequences=sequences,
-        scores=stack_per_step([r.scores for r in results]) if request.keep_scores else None,
-        logits=stack_per_step([r.logits for r in results]) if request.keep_logits else None,
+        scores=stack_per_step([r.scores for r in results], input_ids.device) if request.keep_scores else None,
+        logits=stack_per_step([r.logits for r in results], input_ids.device) if request.keep_logits else None,
         past_key_values=request.given_cache if len(results) == 1 else None,
         polybasic_stats=stats,
     )
@@ -66,12 +66,13 @@ def assemble_sequences(input_ids, new_tokens: list[torch.LongTensor], pad: int) 
     return out
 
 
-def stack_per_step(per_row: list[list[torch.Tensor]]) -> tuple[torch.Tensor, ...]:
-    """One [B, V] tensor per generated step, as HF returns scores; rows that already stopped get 0."""
+def stack_per_step(per_row: list[list[torch.Tensor]], device) -> tuple[torch.Tensor, ...]:
+    """One [B, V] tensor per generated step on ``device`` (the input's, where `generate` keeps them),
+    as HF returns scores; rows that already stopped get 0."""
     steps = max(len(rows) for rows in per_row)
     reference = next(t for rows in per_row for t in rows)
     out = []
     for step in range(steps):
         column = [rows[step] if step < len(rows) else reference.new_zeros(reference.shape) for rows in per_row]
-        out.append(torch.stack(column, dim=0))
+        out.append(torch.stack(column, dim=0).to(device))
     return tuple(out)

@@ -14,7 +14,7 @@ import torch
 from transformers.generation import logits_process as lp
 
 from . import compat
-from .compat import processor_for_row, shift_positions
+from .compat import processor_for_row, processor_on_device, shift_positions
 
 @dataclass(frozen=True)
 class DecodingRules:
@@ -65,9 +65,10 @@ def processors_for_row(
     ``removed_padding`` left-padding tokens shorter than the batch: processors that count absolute
     positions are shifted (`compat.shift_positions`), those that hold something per row see this
     row's (`compat.processor_for_row`: a prefix constraint's ``batch_id``, the prompt of encoder
-    repetition penalties)."""
+    repetition penalties), and every tensor they hold is on the row's device (the target's)."""
     return lp.LogitsProcessorList(
-        shift_positions(processor_for_row(processor, row, prompt), removed_padding) for processor in processors
+        shift_positions(processor_on_device(processor_for_row(processor, row, prompt), prompt.device), removed_padding)
+        for processor in processors
     )
 
 

@@ -33,7 +33,7 @@ class Request:
     Attributes:
         assistants: the chain below the target, strongest first.
         config: the call's `PolybasicConfig`.
-        rows: each prompt without its left padding, ``[L_b]``.
+        rows: each prompt without its left padding, ``[L_b]``, on the target's device.
         padded_width: the prompts' width as given (rows are shifted by the padding they lose).
         max_length: the length budget of the padded batch.
         do_sample, eos_token_ids: as `generate` resolved them.
@@ -89,6 +89,7 @@ def check_request(
 
     rows = row_prompts(input_ids, model_kwargs.get("attention_mask"))
     check_position_ids(model_kwargs.get("position_ids"), rows)
+    rows = [row.to(model.device) for row in rows]  # decoded where the target runs: moved once, not per forward
     if len(rows) > 1 and streamer is not None:
         raise ValueError("streamers support batch size 1 only (as in transformers); stream one prompt at a time")
     given_cache = model_kwargs.get("past_key_values")

@@ -156,3 +156,56 @@ def test_cpu_drafter_under_gpu_target_with_prefix_dependent_processors(fp32_chai
     )
     assert sampled.sequences.shape[1] == 5 + 16
     assert_every_level_took_part(sampled.polybasic_stats, rejections=False, acceptances=False)
+
+
+# --- GPU correctness by construction, checked on the CPU -------------------------------------------
+def test_a_forward_is_timed_to_the_end_of_its_gpu_work(monkeypatch, fp32_chain):
+    """On a GPU the clock must be read after the work ran, not after its launch: each timed forward
+    synchronizes the devices its model lives on, inside the timed span (decoding and measuring)."""
+    from hf_polybasic import cache as cache_module
+    from hf_polybasic.cache import CachedModel
+    from hf_polybasic.compat import new_dynamic_cache
+    from hf_polybasic.costs import forward_cost
+    from hf_polybasic.testing import SimulatedClock
+
+    model = fp32_chain[0]
+    clock = SimulatedClock()
+    synchronized = []
+
+    def synchronize(devices):
+        synchronized.append(tuple(devices))
+        clock.advance(0.5 if devices else 0.0)  # the queued work finishes here
+
+    monkeypatch.setattr(cache_module, "cuda_devices", lambda m: ("cuda:7",))
+    monkeypatch.setattr(cache_module, "synchronize", synchronize)
+    runner = CachedModel(model, new_dynamic_cache(model), role="target", clock=clock)
+    observed = []
+    runner.cost_observer = type("Observer", (), {"observe": lambda self, tokens, seconds: observed.append(seconds)})()
+    runner.logits(prompt(5, seed=1)[0], 1)
+    assert synchronized == [("cuda:7",)] and observed == [0.5]
+    assert forward_cost(model, prompt(6), 2, repeats=3, clock=clock) == 0.5  # what measuring the curves sees
+
+
+def test_the_machine_description_names_the_models_gpus_not_the_current_one(monkeypatch):
+    from hf_polybasic import hardware
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: f"GPU #{torch.device(device).index}")
+    assert hardware.describe_machine(["cpu"])["gpu"] is None
+    assert hardware.describe_machine(["cuda:1", "cpu", "cuda:1"])["gpu"] == ["cuda:1: GPU #1"]
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_cpu_input_ids_with_a_gpu_target_decode_on_the_gpu_and_return_on_the_cpu(fp32_chain):
+    """The prompt is moved to the target's device once; processors built on the CPU (where generate
+    builds them, beside input_ids) follow it; the output comes back where the input was."""
+    target, m2, m3 = (_cast(m, device="cuda") for m in fp32_chain)
+    ids = prompt(5, seed=7)
+    options = dict(do_sample=False, max_new_tokens=20, min_new_tokens=18, repetition_penalty=1.3,
+                   no_repeat_ngram_size=3, bad_words_ids=[[5]], eos_token_id=2)
+    reference = target.generate(ids.cuda(), **options)
+    out = target.generate(ids, custom_generate=hp.generate, assistant_models=[m2, m3], polybasic_config=CONFIG,
+                          return_dict_in_generate=True, output_scores=True, **options)
+    assert out.sequences.device.type == "cpu" and out.scores[0].device.type == "cpu"
+    assert torch.equal(out.sequences, reference.cpu())
+    assert_every_level_took_part(out.polybasic_stats, rejections=False, acceptances=False)
