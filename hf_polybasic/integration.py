@@ -10,6 +10,8 @@ option users pass to `generate` means what it always means. A call is checked
 from __future__ import annotations
 
 import functools
+import threading
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -29,12 +31,20 @@ from .timing import DEFAULT_CLOCK, Clock
 
 __all__ = ["PolybasicGenerateOutput", "disable", "enable", "generate", "last_stats", "make_generate"]
 
-LAST_STATS_ATTRIBUTE = "_hf_polybasic_last_stats"
+_last = threading.local()  # per thread: model -> the statistics of its latest call in this thread
+
+
+def _last_by_model() -> weakref.WeakKeyDictionary:
+    if not hasattr(_last, "stats"):
+        _last.stats = weakref.WeakKeyDictionary()
+    return _last.stats
 
 
 def last_stats(model: torch.nn.Module) -> PolybasicStats | None:
-    """Statistics of the most recent polybasic `generate` call on ``model`` (for tensor outputs)."""
-    return getattr(model, LAST_STATS_ATTRIBUTE, None)
+    """Statistics of the most recent polybasic `generate` call on ``model`` *in this thread* (for
+    tensor outputs; ``return_dict_in_generate=True`` returns them with the call itself). Two
+    threads generating with one model each see their own call's."""
+    return _last_by_model().get(model)
 
 
 def make_generate(
@@ -86,7 +96,7 @@ def make_generate(
             stop_recording_past_states(request.given_cache)  # handed back as generate would
         if streamer is not None:
             streamer.end()
-        setattr(model, LAST_STATS_ATTRIBUTE, stats)
+        _last_by_model()[model] = stats
         return assemble_output(input_ids, request, results, stats, generation_config)
 
     return generate
@@ -96,15 +106,52 @@ generate = make_generate()
 
 
 # --- opt-in patching ---------------------------------------------------------------------------
-ENABLED_ATTRIBUTE = "_hf_polybasic_enabled"
+ENABLED_ATTRIBUTE = "_hf_polybasic_enabled"  # the chain and config given to `enable` (may be None)
+
+
+class _EnabledDefaults:
+    """What `enable` stored on a model: its default chain and config. Copies of the model share it
+    (a deep copy does not duplicate the assistant models)."""
+
+    def __init__(self, assistant_models, polybasic_config):
+        self.assistant_models, self.polybasic_config = assistant_models, polybasic_config
+
+    def __deepcopy__(self, memo):
+        return self
+
+
+_ENABLED_CLASSES: dict[type, type] = {}
+_enabled_classes_lock = threading.Lock()
+
+
+def _enabled_class(plain: type) -> type:
+    """``plain`` with a `generate` that routes calls with a chain through `generate` (made once per
+    class, same name: ``save_pretrained`` records the architecture as before). An enabled model is
+    an instance of it, so copies (``copy.copy``, ``deepcopy``) generate with themselves."""
+    with _enabled_classes_lock:
+        if plain not in _ENABLED_CLASSES:
+
+            @functools.wraps(plain.generate)
+            def enabled_generate(self, *args, **kwargs):
+                return _route_generate(self, plain, *args, **kwargs)
+
+            _ENABLED_CLASSES[plain] = type(
+                plain.__name__,
+                (plain,),
+                {"generate": enabled_generate, "__module__": plain.__module__, "__qualname__": plain.__qualname__,
+                 "_hf_polybasic_plain_class": plain},
+            )
+        return _ENABLED_CLASSES[plain]
 
 
 def enable(model, assistant_models: Sequence[torch.nn.Module] | None = None, polybasic_config=None):
     """Make ``model.generate`` (and pipelines built on it) accept ``assistant_models=`` and
     ``polybasic_config=``; optionally store a default chain used when a call gives none.
 
-    Only this model instance is changed; `disable` undoes it. Calls without any chain run plain
-    `generate`, unchanged.
+    Only this model instance is changed (its class becomes an enabled subclass of the same name);
+    copies of it (``copy.copy``, ``copy.deepcopy``) are enabled too and generate with themselves;
+    `disable` undoes it. Calls without any chain run plain `generate`, unchanged. An enabled model
+    is not picklable as a whole (``save_pretrained`` works as before; `disable` first to pickle).
     """
     if not isinstance(model, GenerationMixin):
         raise TypeError(f"enable() needs a transformers generation model, got {type(model).__name__}")
@@ -112,33 +159,35 @@ def enable(model, assistant_models: Sequence[torch.nn.Module] | None = None, pol
         assistant_models = validate_assistant_models(model, assistant_models)
     if polybasic_config is not None:
         polybasic_config = resolve_config(polybasic_config, None)
-    plain_generate = type(model).generate
-
-    @functools.wraps(plain_generate)
-    def polybasic_model_generate(*args, **kwargs):
-        chain = kwargs.pop("assistant_models", assistant_models)
-        if chain is None:
-            if kwargs.get("polybasic_config") is not None:
-                raise ValueError("`polybasic_config` was given without `assistant_models`; pass the chain too")
-            kwargs.pop("polybasic_config", None)
-            return plain_generate(model, *args, **kwargs)
-        if kwargs.get("custom_generate") is not None:
-            raise ValueError("this model is enabled for hf_polybasic; do not also pass `custom_generate`")
-        if kwargs.get("assistant_model") is not None:
-            raise ValueError(
-                "`assistant_model=` (transformers' two-model assisted generation) cannot be combined with "
-                "hf_polybasic's `assistant_models=`; put every assistant in `assistant_models`"
-            )
-        if kwargs.get("polybasic_config") is None and polybasic_config is not None:
-            kwargs["polybasic_config"] = polybasic_config
-        if kwargs.get("tokenizer") is not None:  # transformers drops it before our callable: check here
-            validate_assistant_models(model, chain, kwargs["tokenizer"])
-        _route_stop_strings(kwargs)
-        return plain_generate(model, *args, custom_generate=generate, assistant_models=chain, **kwargs)
-
-    model.generate = polybasic_model_generate
-    setattr(model, ENABLED_ATTRIBUTE, True)
+    plain = getattr(type(model), "_hf_polybasic_plain_class", type(model))
+    model.__class__ = _enabled_class(plain)
+    setattr(model, ENABLED_ATTRIBUTE, _EnabledDefaults(assistant_models, polybasic_config))
     return model
+
+
+def _route_generate(model, plain: type, *args, **kwargs):
+    """The enabled `generate`: plain `generate` without a chain, else plain `generate` with our
+    `custom_generate` and the chain (the call's, else the one given to `enable`)."""
+    defaults = getattr(model, ENABLED_ATTRIBUTE, None) or _EnabledDefaults(None, None)
+    chain = kwargs.pop("assistant_models", defaults.assistant_models)
+    if chain is None:
+        if kwargs.get("polybasic_config") is not None:
+            raise ValueError("`polybasic_config` was given without `assistant_models`; pass the chain too")
+        kwargs.pop("polybasic_config", None)
+        return plain.generate(model, *args, **kwargs)
+    if kwargs.get("custom_generate") is not None:
+        raise ValueError("this model is enabled for hf_polybasic; do not also pass `custom_generate`")
+    if kwargs.get("assistant_model") is not None:
+        raise ValueError(
+            "`assistant_model=` (transformers' two-model assisted generation) cannot be combined with "
+            "hf_polybasic's `assistant_models=`; put every assistant in `assistant_models`"
+        )
+    if kwargs.get("polybasic_config") is None and defaults.polybasic_config is not None:
+        kwargs["polybasic_config"] = defaults.polybasic_config
+    if kwargs.get("tokenizer") is not None:  # transformers drops it before our callable: check here
+        validate_assistant_models(model, chain, kwargs["tokenizer"])
+    _route_stop_strings(kwargs)
+    return plain.generate(model, *args, custom_generate=generate, assistant_models=chain, **kwargs)
 
 
 def _route_stop_strings(kwargs: dict) -> None:
@@ -155,8 +204,10 @@ def _route_stop_strings(kwargs: dict) -> None:
 
 
 def disable(model) -> None:
-    """Undo `enable`: ``model.generate`` is transformers' own again."""
-    if not getattr(model, ENABLED_ATTRIBUTE, False):
+    """Undo `enable`: ``model.generate`` is transformers' own again (the model's class is its own)."""
+    plain = getattr(type(model), "_hf_polybasic_plain_class", None)
+    if plain is None:
         raise ValueError(f"{type(model).__name__} was not enabled with hf_polybasic.enable()")
-    del model.generate
-    delattr(model, ENABLED_ATTRIBUTE)
+    model.__class__ = plain
+    if ENABLED_ATTRIBUTE in vars(model):
+        delattr(model, ENABLED_ATTRIBUTE)

@@ -416,3 +416,72 @@ def test_config_saved_with_the_model_is_the_default_after_reload(tmp_path, chain
     # the stored K = 2 is in force: the drafter never proposes more than 2 tokens per round
     assert 0 < middle.drafted <= 2 * middle.verifications
     assert max(middle.acceptance_lengths) <= 3
+
+
+# --- copies and threads -------------------------------------------------------------------------------
+@pytest.mark.parametrize("copier", ["copy", "deepcopy"])
+def test_a_copy_of_an_enabled_model_generates_with_itself(copier, own_chain):
+    import copy
+
+    target, *assistants = own_chain
+    hp.enable(target, polybasic_config=CONFIG)
+    try:
+        twin = getattr(copy, copier)(target)
+        twin.generation_config = copy.deepcopy(target.generation_config)  # a shallow copy shares the modules
+        twin.generation_config.bad_words_ids = [[int(t)] for t in target.generate(prompt(5, seed=16), do_sample=False,
+                                                                                  max_new_tokens=3)[0, 5:]]
+        ids = prompt(5, seed=16)
+        options = dict(do_sample=False, max_new_tokens=12, eos_token_id=None)
+        own = twin.generate(ids, **options)  # no chain: plain generate of the copy
+        assert not torch.equal(own, target.generate(ids, **options))
+        assert torch.equal(twin.generate(ids, assistant_models=assistants, **options), own)
+        assert hp.last_stats(twin) is not None and hp.last_stats(twin).levels[0].forward_passes > 0
+        hp.disable(twin)
+        assert torch.equal(twin.generate(ids, **options), own)
+    finally:
+        hp.disable(target)
+
+
+def test_quantized_copies_and_early_exits_of_an_enabled_model_are_themselves():
+    from hf_polybasic.levels import early_exit, quantized_copy
+
+    target = make_chain("llama", 2, seed=17)[0]
+    ids = prompt(5, seed=17)
+    options = dict(do_sample=False, max_new_tokens=10, eos_token_id=None)
+    expected = {}
+    for name, build in (("int8", lambda m: quantized_copy(m, "int8-dynamic")), ("exit", lambda m: early_exit(m, 1))):
+        expected[name] = build(target).generate(ids, **options)
+    hp.enable(target)
+    try:
+        for name, build in (("int8", lambda m: quantized_copy(m, "int8-dynamic")), ("exit", lambda m: early_exit(m, 1))):
+            assert torch.equal(build(target).generate(ids, **options), expected[name]), name
+    finally:
+        hp.disable(target)
+
+
+def test_last_stats_belong_to_the_calling_thread(own_chain):
+    """Two threads, one model: each reads the statistics of its own last call, even after the other
+    thread's call finished later."""
+    target, *assistants = own_chain
+    hp.enable(target)
+    first_done, second_done = threading.Event(), threading.Event()
+    seen = {}
+
+    def call(name, tokens, wait_for, then_set):
+        target.generate(prompt(5, seed=18), assistant_models=assistants, polybasic_config=CONFIG,
+                        do_sample=False, max_new_tokens=tokens, eos_token_id=None)
+        then_set.set()
+        if wait_for is not None:
+            assert wait_for.wait(60)
+        seen[name] = hp.last_stats(target).new_tokens
+
+    try:
+        threads = [threading.Thread(target=call, args=("first", 6, second_done, first_done)),
+                   threading.Thread(target=lambda: (first_done.wait(60), call("second", 11, None, second_done)))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        hp.disable(target)
+    assert seen == {"first": 6, "second": 11}
