@@ -33,7 +33,7 @@ from .drafters import Drafter
 from .drafting import DrafterLevel, ModelDrafter
 from .processing import DecodingRules, process_positions
 from .protocol import Block, Level, Proposal
-from .schedule import ProposalSchedule
+from .schedule import Schedule, make_schedule
 from .stats import LevelStats, PolybasicStats
 from .timing import DEFAULT_CLOCK, Clock, timed
 from .verify import greedy_verify, speculative_verify
@@ -115,7 +115,7 @@ class IntermediateLevel:
     still an autoregressive sample of this level's distribution, and its cache never held that token).
     """
 
-    def __init__(self, verifier: Verifier, schedule: ProposalSchedule, clock: Clock = DEFAULT_CLOCK):
+    def __init__(self, verifier: Verifier, schedule: Schedule, clock: Clock = DEFAULT_CLOCK):
         self.verifier, self.schedule, self.clock = verifier, schedule, clock
         self.stats = verifier.stats
         self._start = 0
@@ -232,8 +232,8 @@ def build_chain(
         level = parts.drafter_level(models[bottom], rules, stats.levels[bottom], clock)
     else:
         own = estimates[bottom]
-        schedules[bottom] = ProposalSchedule(
-            config.schedule, config.num_draft_tokens, MAX_DRAFT_TOKENS, stops_early=True,
+        schedules[bottom] = make_schedule(
+            config.schedule, config.num_draft_tokens, MAX_DRAFT_TOKENS, drafter=True,
             verifier_costs=estimates[bottom - 1], step_seconds=None if own is None else own.seconds(1),
         )
         # below a greedy intermediate level, sampled drafts would only lower its acceptance
@@ -243,7 +243,7 @@ def build_chain(
     for index in range(bottom - 1, 0, -1):  # intermediate levels, bottom-up
         samples = rules.do_sample and not greedy_intermediates
         verifier = parts.verifier(runners[index], level, rules, stats.levels[index], samples, clock)
-        schedules[index] = ProposalSchedule(
+        schedules[index] = make_schedule(
             config.schedule, thresholds[index - 1], MAX_BLOCK_THRESHOLD, verifier_costs=estimates[index - 1]
         )
         level = parts.intermediate(verifier, schedules[index], clock)

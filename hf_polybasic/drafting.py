@@ -13,7 +13,7 @@ from .cache import CachedModel
 from .drafters import Drafter
 from .processing import DecodingRules, process_positions
 from .protocol import Block, Proposal
-from .schedule import ProposalSchedule
+from .schedule import Schedule
 from .stats import LevelStats
 from .timing import DEFAULT_CLOCK, Clock, timed
 
@@ -33,7 +33,7 @@ class ModelDrafter:
         runner: CachedModel,
         rules: DecodingRules,
         stats: LevelStats,
-        schedule: ProposalSchedule,
+        schedule: Schedule,
         samples: bool,
         clock: Clock = DEFAULT_CLOCK,
     ):

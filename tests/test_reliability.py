@@ -5,7 +5,17 @@ Each test here failed before the fix it guards (issue 11).
 
 import pytest
 import torch
-from hf_polybasic.testing import EOS, PAD, make_chain, make_target, make_tokenizer, noisy_copy, prompt
+from hf_polybasic.testing import (
+    EOS,
+    PAD,
+    cheap_drafting_costs,
+    make_chain,
+    make_target,
+    make_tokenizer,
+    noisy_copy,
+    prompt,
+    simulated_machine,
+)
 from transformers import DynamicCache, GenerationConfig, StoppingCriteria, StoppingCriteriaList
 
 import hf_polybasic as hp
@@ -218,7 +228,14 @@ def test_models_that_never_agree_are_reported_not_silently_slow():
     ids = prompt(6, seed=2)
     options = dict(do_sample=False, max_new_tokens=40, eos_token_id=None)
     with pytest.warns(UserWarning, match=r"accepted .* of .* drafts.*share a tokenizer"):
-        out = target.generate(ids, custom_generate=hp.generate, assistant_models=[permuted], **options)
+        out = target.generate(ids, custom_generate=hp.generate, assistant_models=[permuted],
+                              polybasic_config=hp.PolybasicConfig(schedule="constant"), **options)
+    assert torch.equal(out, target.generate(ids, **options))
+    # the cost-aware schedule, where drafting would pay if drafts were accepted: it keeps drafting a
+    # token a round (a rejected draft this cheap costs 2% of a round) and warns all the same
+    with simulated_machine(cheap_drafting_costs(target, [permuted])) as generate:
+        with pytest.warns(UserWarning, match=r"accepted 0 of .* drafts.*share a tokenizer"):
+            out = target.generate(ids, custom_generate=generate, assistant_models=[permuted], **options)
     assert torch.equal(out, target.generate(ids, **options))
 
 

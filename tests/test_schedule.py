@@ -26,14 +26,19 @@ from hf_polybasic.integration import make_generate
 from hf_polybasic.levels import early_exit
 from hf_polybasic.protocol import Proposal
 from hf_polybasic.schedule import (
+    BACKOFF_MARGIN,
     FIRST_BACKOFF_ROUNDS,
-    PRIOR_ACCEPTANCE,
     PROBE_ROUNDS,
     WARMUP_ROUNDS,
-    ProposalSchedule,
+    ConfidenceCalibration,
+    ConstantSchedule,
+    CostAwareSchedule,
+    HeuristicSchedule,
     acceptance_rate_estimate,
     best_length,
     expected_tokens,
+    make_schedule,
+    worth_one_more,
 )
 import hf_polybasic as hp
 from hf_polybasic.testing import SimulatedClock, cheap_drafting_costs, make_target, noisy_copy, prompt, simulated_machine
@@ -47,8 +52,16 @@ class Curve:
 
 
 # --- the rules in isolation ---------------------------------------------------------------------
+def test_make_schedule_builds_one_class_per_policy():
+    assert isinstance(make_schedule("constant", 4, 16), ConstantSchedule)
+    assert isinstance(make_schedule("heuristic", 4, 16), HeuristicSchedule)
+    assert isinstance(make_schedule("cost_aware", 4, 16, drafter=True), CostAwareSchedule)
+    with pytest.raises(ValueError, match="schedule must be one of"):
+        make_schedule("adaptive", 4, 16)
+
+
 def test_constant_schedule_never_moves():
-    schedule = ProposalSchedule("constant", 4, 16)
+    schedule = ConstantSchedule(4)
     for drafted, accepted in [(4, 4), (4, 0), (4, 4), (4, 2)]:
         schedule.observe_proposal(drafted, 0.01)
         schedule.observe_verification(drafted, accepted, 0.1)
@@ -56,7 +69,7 @@ def test_constant_schedule_never_moves():
 
 
 def test_heuristic_schedule_is_transformers_rule():
-    schedule = ProposalSchedule("heuristic", 4, 7)
+    schedule = HeuristicSchedule(4, 7)
     lengths = []
     for drafted_all in [True, True, False, False, False, False, False, True]:
         k = schedule.length()
@@ -95,104 +108,59 @@ def test_best_length_follows_cost_and_acceptance():
     assert best_length(0.8, 0.03, steep, maximum=16) < best_length(0.8, 0.03, flat, maximum=16)
 
 
-def test_cost_aware_schedule_moves_after_warmup():
-    schedule = ProposalSchedule("cost_aware", 4, 16)
-    schedule.observe_proposal(4, 0.0004)
-    schedule.observe_verification(4, 4, 0.3)
-    assert schedule.length() == 4  # still warming up
-    for _ in range(5):
-        schedule.observe_proposal(schedule.length(), 0.0001 * schedule.length())
-        schedule.observe_verification(schedule.length(), schedule.length(), 0.3)
-    assert schedule.length() == 16
+def test_one_more_token_pays_exactly_when_it_raises_the_rounds_rate():
+    # E tokens for C seconds; one more adds g = S a tokens for m seconds
+    for survival, acceptance, expected, seconds, marginal in [(0.9, 0.9, 4.0, 0.4, 0.05), (0.5, 0.5, 2.0, 0.2, 0.05),
+                                                              (1.0, 1.0, 1.0, 0.1, 0.1), (0.3, 0.2, 3.0, 0.3, 0.01)]:
+        raised = (expected + survival * acceptance) / (seconds + marginal) > expected / seconds
+        assert worth_one_more(survival, acceptance, expected, seconds, marginal) == raised
 
 
-def test_it_backs_off_at_once_when_not_even_perfect_acceptance_could_pay():
-    """Verifying k tokens costs k steps (bf16 without bf16 units): drafting can never pay."""
-    schedule = ProposalSchedule("cost_aware", 4, 16, stops_early=True, verifier_costs=Curve(lambda k: 0.1 * k),
-                                step_seconds=0.01)
-    assert schedule.length() == 0
-    flat = ProposalSchedule("cost_aware", 4, 16, stops_early=True, verifier_costs=Curve(lambda k: 0.1),
-                            step_seconds=0.01)
-    assert flat.length() == 4
+def test_calibration_learns_acceptance_by_confidence_from_revealed_tokens():
+    calibration = ConfidenceCalibration()
+    assert calibration.acceptance(0.1) < calibration.acceptance(0.5) < calibration.acceptance(0.97)  # the prior
+    for _ in range(40):  # confident drafts are always accepted, unsure ones never
+        calibration.observe([0.995, 0.995, 0.3, 0.995], accepted=2)
+    assert calibration.acceptance(0.995) > 0.95 and calibration.acceptance(0.3) < 0.1
+    # only revealed tokens count: the 4th draft (after the rejected 3rd) taught nothing about 0.995's
+    # 'next' curve beyond the two accepted ones followed by a revealed one
+    assert calibration.next_acceptance(0.995) == pytest.approx((2 * 0.9975 + 40) / (2 + 80), abs=0.02)
 
 
-def test_it_backs_off_when_rounds_yield_less_than_plain_decoding_and_probes_again():
-    verifier = Curve(lambda k: 0.1)
-    schedule = ProposalSchedule("cost_aware", 4, 16, verifier_costs=verifier)
-    # two rounds that accept nothing and cost a step of proposing each: 1 token per 0.2 s < plain's 1 per 0.1 s
-    for _ in range(2):
-        schedule.observe_proposal(schedule.length(), 0.1)
-        schedule.observe_verification(4, 0, 0.1)
-    assert schedule.length() == 0
+def _drafted_lengths(schedule, confidences, rounds=6, verify=0.1):
+    """Run ``rounds`` rounds in which every draft (of the given confidences, in turn) is accepted;
+    the drafted lengths."""
     lengths = []
-    for _ in range(FIRST_BACKOFF_ROUNDS):  # the parent decodes alone
-        schedule.observe_proposal(0, 0.0)
-        schedule.observe_verification(0, 0, 0.1)
-        lengths.append(schedule.length())
-    assert lengths[:-1] == [0] * (FIRST_BACKOFF_ROUNDS - 1) and lengths[-1] > 0  # then it probes
-    assert schedule.paused_rounds == FIRST_BACKOFF_ROUNDS
-    # a probe that pays (everything accepted, cheap proposals) resumes drafting
-    for _ in range(PROBE_ROUNDS):
-        length = schedule.length()
-        schedule.observe_proposal(length, 0.001 * length)
-        schedule.observe_verification(length, length, 0.1)
-    assert schedule.length() > 0 and schedule.paused_for == 0
+    for _ in range(rounds):
+        drafted = 0
+        for confidence in confidences:
+            drafted += 1
+            if drafted >= schedule.length() or not schedule.keep_drafting(confidence):
+                break
+        lengths.append(drafted)
+        schedule.observe_proposal(drafted, 0.002 * drafted)
+        schedule.observe_verification(drafted, drafted, verify)
+    return lengths
 
 
-def test_failed_probes_double_the_back_off():
-    schedule = ProposalSchedule("cost_aware", 4, 16, verifier_costs=Curve(lambda k: 0.1))
-    stretches = []
-    for _ in range(120):
-        length = schedule.length()
-        if length == 0:
-            schedule.observe_proposal(0, 0.0)
-            schedule.observe_verification(0, 0, 0.1)
-        else:
-            if schedule.paused_for == 0 and (not stretches or stretches[-1] != schedule.stretch):
-                stretches.append(schedule.stretch)
-            schedule.observe_proposal(length, 0.2)
-            schedule.observe_verification(length, 0, 0.1)
-    assert stretches[:3] == [FIRST_BACKOFF_ROUNDS, 2 * FIRST_BACKOFF_ROUNDS, 4 * FIRST_BACKOFF_ROUNDS]
+def test_confident_drafts_run_long_and_unsure_ones_stop_early():
+    def schedule():
+        return CostAwareSchedule(4, 16, drafter=True, verifier_costs=Curve(lambda k: 0.1), step_seconds=0.002)
 
-
-def test_a_probe_that_only_ties_with_plain_decoding_keeps_the_back_off_doubling():
-    schedule = ProposalSchedule("cost_aware", 4, 16, verifier_costs=Curve(lambda k: 0.1))
-    schedule.stretch = 16  # after a few failed probes
-    # rounds yielding about plain decoding's rate: 2 tokens per 0.19 s against 1 per 0.1 s
-    for _ in range(WARMUP_ROUNDS + PROBE_ROUNDS):
-        length = schedule.length()
-        schedule.observe_proposal(length, 0.09)
-        schedule.observe_verification(length, 1, 0.1)
-    assert schedule.stretch == 16
-    # one that pays clearly more resets it
-    for _ in range(8):
-        length = schedule.length()
-        schedule.observe_proposal(length, 0.001)
-        schedule.observe_verification(length, length, 0.1)
-    assert schedule.stretch == FIRST_BACKOFF_ROUNDS
-
-
-def test_warm_up_rounds_draft_only_what_could_pay_before_any_evidence():
-    """Before any acceptance is seen, K is capped at the length that pays best at PRIOR_ACCEPTANCE:
-    on a curve where k tokens cost k steps, one token; on a flat curve, K as configured."""
-    steep = ProposalSchedule("cost_aware", 4, 16, stops_early=True,
-                             verifier_costs=Curve(lambda k: 0.1 * (1 + 0.7 * (k - 1))), step_seconds=0.01)
-    assert steep.length() == 1
-    flat = ProposalSchedule("cost_aware", 4, 16, stops_early=True, verifier_costs=Curve(lambda k: 0.1),
-                            step_seconds=0.01)
-    assert flat.length() == 4
-    assert ProposalSchedule("constant", 4, 16, verifier_costs=Curve(lambda k: 0.1 * k), step_seconds=0.01).length() == 4
-    expected = best_length(PRIOR_ACCEPTANCE, 0.01, steep.verification_seconds, 16)
-    assert expected == 1
+    assert _drafted_lengths(schedule(), [0.99] * 20)[-1] == 16  # a flat curve and sure drafts: the maximum
+    unsure = schedule()
+    for _ in range(30):  # unsure drafts that are rejected teach it
+        unsure.calibration.observe([0.2, 0.2], accepted=0)
+    assert _drafted_lengths(unsure, [0.2] * 20, rounds=1)[-1] <= 2
 
 
 def test_keep_drafting_weighs_the_marginal_verification_cost():
     def warmed(curve):
-        schedule = ProposalSchedule("cost_aware", 4, 16, stops_early=True, verifier_costs=Curve(curve))
-        for _ in range(3):  # confident drafts that are accepted: calibration ~1, alpha high
+        schedule = CostAwareSchedule(4, 16, drafter=True, verifier_costs=Curve(curve), step_seconds=0.004)
+        for _ in range(3):  # confident drafts that are accepted
             for _ in range(4):
                 schedule.keep_drafting(0.9)
-            schedule.observe_proposal(4, 0.004)
+            schedule.observe_proposal(4, 0.004 * 4)
             schedule.observe_verification(4, 4, 0.1)
         return schedule
 
@@ -200,6 +168,101 @@ def test_keep_drafting_weighs_the_marginal_verification_cost():
     flat_kept = sum(flat.keep_drafting(0.9) for _ in range(6))
     steep_kept = sum(steep.keep_drafting(0.9) for _ in range(6))
     assert flat_kept == 6 and steep_kept == 0
+
+
+def test_it_backs_off_at_once_when_not_even_perfect_acceptance_could_pay():
+    """Verifying k tokens costs k steps (bf16 without bf16 units): drafting can never pay."""
+    schedule = CostAwareSchedule(4, 16, drafter=True, verifier_costs=Curve(lambda k: 0.1 * k), step_seconds=0.01)
+    assert schedule.length() == 0
+    flat = CostAwareSchedule(4, 16, drafter=True, verifier_costs=Curve(lambda k: 0.1), step_seconds=0.01)
+    assert flat.length() == 16  # a drafter drafts up to the maximum; keep_drafting ends the draft
+
+
+def _round(schedule, length, accepted, proposing, verify=0.1):
+    schedule.observe_proposal(length, proposing)
+    schedule.observe_verification(length, accepted, verify)
+
+
+def test_it_backs_off_when_rounds_yield_less_than_plain_decoding_and_probes_again():
+    schedule = CostAwareSchedule(4, 16, verifier_costs=Curve(lambda k: 0.1))
+    _round(schedule, 4, 4, 5.0, verify=5.0)  # the first round holds the prompt's prefill: never judged
+    # rounds that accept nothing and cost a step of proposing each: 1 token per 0.2 s < plain's 1 per 0.1 s
+    for _ in range(WARMUP_ROUNDS - 1):
+        assert schedule.length() > 0
+        _round(schedule, schedule.length(), 0, 0.1)
+    assert schedule.length() == 0
+    lengths = []
+    for _ in range(FIRST_BACKOFF_ROUNDS):  # the parent decodes alone
+        _round(schedule, 0, 0, 0.0)
+        lengths.append(schedule.length())
+    assert lengths[:-1] == [0] * (FIRST_BACKOFF_ROUNDS - 1) and lengths[-1] > 0  # then it probes
+    assert schedule.paused_rounds == FIRST_BACKOFF_ROUNDS
+    # a probe that pays (everything accepted, cheap proposals) resumes proposing
+    for _ in range(PROBE_ROUNDS):
+        length = schedule.length()
+        _round(schedule, length, length, 0.001 * length)
+    assert schedule.length() > 0 and not schedule.backoff.paused
+
+
+def test_a_first_round_slowed_by_the_prefill_does_not_make_it_back_off():
+    """The first verification feeds the whole prompt: counted as a yield it made a chain back off
+    on prose (1 token in 0.7 s against plain decoding's 0.17 s)."""
+    schedule = CostAwareSchedule(4, 16, drafter=True, verifier_costs=Curve(lambda k: 0.17), step_seconds=0.035)
+    _round(schedule, 3, 0, 0.1, verify=0.6)
+    for _ in range(6):
+        _round(schedule, 3, 1, 0.105, verify=0.17)  # 2 tokens per 0.275 s: 7.3 tok/s against plain's 5.9
+        assert schedule.length() > 0
+
+
+def test_a_tie_within_the_noise_does_not_back_off_but_a_clear_loss_does():
+    def run(rate_factor):
+        schedule = CostAwareSchedule(4, 16, verifier_costs=Curve(lambda k: 0.1))
+        _round(schedule, 2, 2, 1.0, verify=1.0)  # prefill
+        for _ in range(WARMUP_ROUNDS + 2):
+            # 2 tokens per round, priced so the round's rate is rate_factor x plain's 10 tok/s
+            _round(schedule, 2, 1, 2 / (10 * rate_factor) - 0.1)
+        return schedule.backoff.paused
+
+    assert not run(BACKOFF_MARGIN + 0.02)
+    assert run(BACKOFF_MARGIN - 0.1)
+
+
+def test_failed_probes_double_the_back_off():
+    schedule = CostAwareSchedule(4, 16, verifier_costs=Curve(lambda k: 0.1))
+    stretches = []
+    for _ in range(160):
+        length = schedule.length()
+        if length == 0:
+            _round(schedule, 0, 0, 0.0)
+        else:
+            if not schedule.backoff.paused and (not stretches or stretches[-1] != schedule.backoff.stretch):
+                stretches.append(schedule.backoff.stretch)
+            _round(schedule, length, 0, 0.2)
+    assert stretches[:3] == [FIRST_BACKOFF_ROUNDS, 2 * FIRST_BACKOFF_ROUNDS, 4 * FIRST_BACKOFF_ROUNDS]
+
+
+def test_a_probe_that_only_ties_with_plain_decoding_keeps_the_back_off_doubling():
+    schedule = CostAwareSchedule(4, 16, verifier_costs=Curve(lambda k: 0.1))
+    schedule.backoff.stretch = 16  # after a few failed probes
+    # rounds yielding about plain decoding's rate: 2 tokens per 0.19 s against 1 per 0.1 s
+    for _ in range(WARMUP_ROUNDS + PROBE_ROUNDS):
+        length = schedule.length()
+        _round(schedule, length, 1, 0.09)
+    assert schedule.backoff.stretch == 16
+    # one that pays clearly more resets it
+    for _ in range(8):
+        length = schedule.length()
+        _round(schedule, length, length, 0.001)
+    assert schedule.backoff.stretch == FIRST_BACKOFF_ROUNDS
+
+
+def test_an_intermediate_level_moves_mu_after_warm_up():
+    schedule = CostAwareSchedule(4, 16)
+    _round(schedule, 4, 4, 0.0004, verify=0.3)
+    assert schedule.length() == 4  # still warming up
+    for _ in range(5):
+        _round(schedule, schedule.length(), schedule.length(), 0.0001 * schedule.length(), verify=0.3)
+    assert schedule.length() == 16
 
 
 # --- the policy on simulated machines: deterministic --------------------------------------------

@@ -1,0 +1,88 @@
+"""How many tokens a level proposes per round: K for the bottom drafter, mu for an intermediate.
+
+A schedule belongs to a proposing level (the child). The child asks `length` before each round
+(0: propose nothing, the parent decodes alone) and, if it drafts token by token
+(`stops_per_token`), `keep_drafting` after each token; it reports what its proposal cost
+(`observe_proposal`) and, through `Level.verified`, what the parent made of it
+(`observe_verification`). One class per policy, built by `make_schedule`:
+
+* ``"constant"`` (`ConstantSchedule`): always the configured length (the paper's static K and mu);
+* ``"heuristic"`` (`HeuristicSchedule`): transformers' rule, +2 after a proposal accepted whole,
+  -1 otherwise;
+* ``"cost_aware"`` (`CostAwareSchedule`, the default): drafts as long as the drafter's confidence
+  and the machine's measured costs say one more token pays, and backs off to plain decoding where
+  proposing cannot pay (see `hf_polybasic.schedule.cost_aware`).
+
+The pure math (expected tokens, the best length, the acceptance estimate) is in `rates`, the
+confidence-to-acceptance curves in `calibration`, the pause / probe states in `backoff`.
+
+Why every schedule is lossless: the length is chosen from the past only (acceptance counts,
+timings, and the tokens already drafted, which are all kept), never by dropping a drawn token, and
+verification of each proposed token is exact whatever the length (a length of 0 is plain decoding).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from .backoff import BACKOFF_MARGIN, FIRST_BACKOFF_ROUNDS, MAX_BACKOFF_ROUNDS, PROBE_ROUNDS, RESET_MARGIN, BackOff
+from .calibration import ConfidenceCalibration
+from .cost_aware import WARMUP_ROUNDS, CostAwareSchedule
+from .fixed import ConstantSchedule, HeuristicSchedule
+from .rates import DECAY, acceptance_rate_estimate, best_length, expected_tokens, worth_one_more
+
+SCHEDULES = ("constant", "heuristic", "cost_aware")
+
+
+class Schedule(Protocol):
+    """What a proposing level asks of its schedule (see the module docstring)."""
+
+    stops_per_token: bool
+    paused_rounds: int
+
+    def length(self) -> int: ...
+
+    def keep_drafting(self, confidence: float) -> bool: ...
+
+    def observe_proposal(self, num_tokens: int, seconds: float) -> None: ...
+
+    def observe_verification(self, num_drafted: int, num_accepted: int, seconds: float) -> None: ...
+
+
+def make_schedule(
+    kind: str, initial: int, maximum: int, drafter: bool = False, verifier_costs=None,
+    step_seconds: float | None = None,
+) -> Schedule:
+    """The schedule of one level: ``kind`` is one of `SCHEDULES`; ``initial`` the configured K or
+    mu, ``maximum`` the longest proposal a varying schedule makes; ``drafter``: the level drafts
+    token by token (a model drafter). ``verifier_costs`` / ``step_seconds``: see `CostAwareSchedule`."""
+    if kind == "constant":
+        return ConstantSchedule(initial)
+    if kind == "heuristic":
+        return HeuristicSchedule(initial, maximum)
+    if kind == "cost_aware":
+        return CostAwareSchedule(initial, maximum, drafter, verifier_costs, step_seconds)
+    raise ValueError(f"schedule must be one of {SCHEDULES}, got {kind!r}")
+
+
+__all__ = [
+    "BACKOFF_MARGIN",
+    "DECAY",
+    "FIRST_BACKOFF_ROUNDS",
+    "MAX_BACKOFF_ROUNDS",
+    "PROBE_ROUNDS",
+    "RESET_MARGIN",
+    "SCHEDULES",
+    "WARMUP_ROUNDS",
+    "BackOff",
+    "ConfidenceCalibration",
+    "ConstantSchedule",
+    "CostAwareSchedule",
+    "HeuristicSchedule",
+    "Schedule",
+    "acceptance_rate_estimate",
+    "best_length",
+    "expected_tokens",
+    "make_schedule",
+    "worth_one_more",
+]

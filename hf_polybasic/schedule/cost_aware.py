@@ -1,0 +1,187 @@
+"""The default schedule: proposal lengths from the drafter's confidence and the machine's costs.
+
+A `CostAwareSchedule` belongs to a proposing level (the child). The parent's verification of k
+tokens costs T_v(k) (its cost curve, `hf_polybasic.costs`, at today's level) plus a per-round
+overhead o; this level's proposals cost s per token (measured).
+
+* **A model drafter** drafts token by token and, after each, asks `keep_drafting` with its
+  confidence in the token just drafted (its probability of it; the token is kept either way). It
+  drafts one more while that raises the round's expected tokens per second: with S the probability
+  that every draft so far is accepted and a the predicted acceptance of the next one (both from
+  the drafter's confidences, `ConfidenceCalibration`), one more token adds S a tokens for
+  s + T_v(j + 2) - T_v(j + 1) seconds, against the round's E tokens for C seconds so far
+  (`rates.worth_one_more`). Confident streaks (code, copied text) draft long, up to ``maximum``;
+  unsure drafts stop after a token or two; where a verification of k tokens costs about k steps
+  the marginal cost is a whole step and drafting stops early.
+* **An intermediate level** accumulates the mu in 1 .. ``maximum`` that maximises expected tokens
+  per second from the running acceptance rate (`rates.best_length`).
+* **Back-off** (`BackOff`): when rounds with proposals yield less than the parent decoding alone
+  (one token per T_v(1) + o, priced *now*: the parent's curve follows the machine's current speed,
+  so a machine that slows down mid-call slows both sides alike), or when the costs say that not
+  even perfect acceptance could pay, the level proposes nothing for a stretch of rounds.
+
+Lossless: lengths come from the past and from tokens already drafted (kept whatever they are);
+no drawn token is ever dropped, and verification is exact whatever the length (0 is plain
+decoding). Lengths depend on timings, so sampled outputs are exactly distributed but not
+bit-reproducible from a seed.
+"""
+
+from __future__ import annotations
+
+from .backoff import MAX_BACKOFF_ROUNDS, BackOff
+from .calibration import ConfidenceCalibration
+from .rates import acceptance_rate_estimate, best_length, decayed, worth_one_more
+
+# verifications before an intermediate level trusts its acceptance estimate (until then: the
+# configured mu), and before the back-off judges the rounds (the first one, which includes the
+# prompt's prefill, never counts towards the yield)
+WARMUP_ROUNDS = 3
+
+
+class CostAwareSchedule:
+    """Proposal lengths of one level from confidences and costs (see the module docstring).
+
+    Args:
+        initial: the configured length (K or mu); an intermediate level's first rounds use it.
+        maximum: the longest proposal.
+        drafter: whether the level drafts token by token (a model drafter: `keep_drafting`
+            decides where a draft ends) or proposes blocks (an intermediate level).
+        verifier_costs: the parent's forward cost, ``seconds(k)`` for k tokens scored, and the
+            seconds of its latest forward, ``last_seconds`` (`hf_polybasic.costs.CostEstimate`);
+            None: the mean verification this call has seen.
+        step_seconds: what one proposed token costs this level, if known in advance (a model
+            drafter's T(1)); used before any round, and to back off at once when not even perfect
+            acceptance could pay.
+    """
+
+    def __init__(self, initial: int, maximum: int, drafter: bool = False, verifier_costs=None,
+                 step_seconds: float | None = None):
+        self.initial, self.maximum = initial, max(maximum, initial)
+        self.drafter = drafter
+        self.verifier_costs, self.step_seconds = verifier_costs, step_seconds
+        self.current = self.maximum if drafter else initial
+        self.rounds = 0
+        self.calibration = ConfidenceCalibration()
+        self.backoff = BackOff()
+        # decayed sums: acceptance, this level's cost per proposed token, realized yield of rounds
+        # with proposals; every verification's seconds and its overhead beyond the forward
+        self.accepted = self.rejections = 0.0
+        self.proposing_seconds = self.proposed_tokens = 0.0
+        self.yield_tokens = self.yield_seconds = 0.0
+        self.verify_seconds = self.verifications = 0.0
+        self.overhead_seconds = self.overhead_rounds = 0.0
+        self._confidences: list[float] = []
+        self._last_proposal_seconds = 0.0
+        self._checked_costs = False
+
+    # --- what the level asks ---------------------------------------------------------------------
+    @property
+    def stops_per_token(self) -> bool:
+        return self.drafter
+
+    @property
+    def paused_rounds(self) -> int:
+        return self.backoff.paused_rounds
+
+    def length(self) -> int:
+        """Tokens to propose in the next round (0: let the parent decode alone)."""
+        if not self._checked_costs:
+            self._checked_costs = True
+            if self._drafting_cannot_pay():
+                self.backoff.pause(MAX_BACKOFF_ROUNDS // 2)
+        return 0 if self.backoff.paused else self.current
+
+    def keep_drafting(self, confidence: float) -> bool:
+        """Whether a model drafter should draft one more token this round, given its confidence in
+        the token it just drafted (which is kept either way)."""
+        self._confidences.append(confidence)
+        drafted = len(self._confidences)
+        calibration = self.calibration
+        survival, expected = 1.0, 1.0
+        for value in self._confidences:
+            survival *= calibration.acceptance(value)
+            expected += survival
+        step = self.seconds_per_token()
+        round_seconds = drafted * step + self.verification_seconds(drafted + 1)
+        marginal = step + self.verification_seconds(drafted + 2) - self.verification_seconds(drafted + 1)
+        return worth_one_more(survival, calibration.next_acceptance(confidence), expected, round_seconds, marginal)
+
+    # --- estimates ---------------------------------------------------------------------------------
+    def acceptance_rate(self) -> float:
+        return acceptance_rate_estimate(self.accepted, self.rejections)
+
+    def seconds_per_token(self) -> float:
+        """What one proposed token costs this level (and everything below it)."""
+        if self.proposed_tokens > 0:
+            return self.proposing_seconds / self.proposed_tokens
+        return self.step_seconds or 0.0
+
+    def overhead(self) -> float:
+        """Seconds of a verification beyond the parent's forward (processing, acceptance, Python)."""
+        return self.overhead_seconds / self.overhead_rounds if self.overhead_rounds else 0.0
+
+    def verification_seconds(self, tokens: int) -> float:
+        """What the parent's verification of ``tokens`` tokens (proposal + 1) costs now."""
+        if self.verifier_costs is not None:
+            return self.verifier_costs.seconds(tokens) + self.overhead()
+        return self.verify_seconds / self.verifications if self.verifications else 0.0
+
+    def plain_rate(self) -> float:
+        """Tokens per second of the parent decoding alone, priced at the parent's current speed."""
+        seconds = self.verification_seconds(1)
+        return 1.0 / seconds if seconds > 0 else float("inf")
+
+    def _drafting_cannot_pay(self) -> bool:
+        """Whether the costs alone rule proposing out: even if every proposed token were accepted,
+        every length would emit tokens more slowly than the parent decoding alone (a tie is left to
+        the rounds to settle)."""
+        if self.verifier_costs is None or self.step_seconds is None:
+            return False
+        plain = 1.0 / max(self.verification_seconds(1), 1e-12)
+        return all(
+            (length + 1) / (length * self.step_seconds + self.verification_seconds(length + 1)) < plain * (1 - 1e-6)
+            for length in range(1, self.maximum + 1)
+        )
+
+    # --- what the level and its parent report --------------------------------------------------------
+    def observe_proposal(self, num_tokens: int, seconds: float) -> None:
+        """The level proposed ``num_tokens`` tokens in ``seconds`` (its own and its children's work)."""
+        self._last_proposal_seconds = seconds
+        if num_tokens > 0:
+            self.proposing_seconds = decayed(self.proposing_seconds, seconds)
+            self.proposed_tokens = decayed(self.proposed_tokens, num_tokens)
+
+    def observe_verification(self, num_drafted: int, num_accepted: int, seconds: float) -> None:
+        """The parent accepted ``num_accepted`` of ``num_drafted`` proposed tokens in one verification
+        of ``seconds``; updates the estimates and the length of the next round."""
+        self.rounds += 1
+        self.verify_seconds = decayed(self.verify_seconds, seconds)
+        self.verifications = decayed(self.verifications, 1.0)
+        forward = getattr(self.verifier_costs, "last_seconds", None)
+        if self.verifier_costs is not None and self.rounds > 1:  # the first one holds the prefill
+            forward = self.verifier_costs.seconds(num_drafted + 1) if forward is None else forward
+            self.overhead_seconds = decayed(self.overhead_seconds, max(seconds - forward, 0.0))
+            self.overhead_rounds = decayed(self.overhead_rounds, 1.0)
+        if num_drafted:
+            self.accepted = decayed(self.accepted, num_accepted)
+            self.rejections = decayed(self.rejections, float(num_accepted < num_drafted))
+            self.calibration.observe(self._confidences[:num_drafted], num_accepted)
+            if self.rounds > 1:  # the first round's forwards include the prompt's (prefill): not a yield
+                self.yield_tokens = decayed(self.yield_tokens, num_accepted + 1)
+                self.yield_seconds = decayed(self.yield_seconds, seconds + self._last_proposal_seconds)
+        self._confidences = []
+        self._judge(num_drafted)
+
+    def _judge(self, num_drafted: int) -> None:
+        if self.backoff.paused:
+            if self.backoff.sit_out():  # a probe: fresh evidence decides, the old rounds do not
+                self.yield_tokens = self.yield_seconds = 0.0
+            return
+        if self.rounds < WARMUP_ROUNDS or num_drafted == 0:
+            return
+        if self.backoff.judge(self.yield_tokens / max(self.yield_seconds, 1e-12), self.plain_rate()):
+            return
+        if not self.drafter:
+            self.current = best_length(
+                min(self.acceptance_rate(), 0.999), self.seconds_per_token(), self.verification_seconds, self.maximum
+            )

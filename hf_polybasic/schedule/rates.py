@@ -1,0 +1,76 @@
+"""Pure math of proposal lengths: expected tokens of a verification, the best length, acceptance.
+
+A verification of l proposed tokens, each accepted with probability alpha until the first
+rejection, emits E(l) = 1 + alpha + ... + alpha^l tokens (the accepted ones and the verifier's own).
+If proposing costs s seconds per token and the verification of l + 1 tokens costs T_v(l + 1), the
+round yields E(l) / (l s + T_v(l + 1)) tokens per second; `best_length` maximises it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+# per-round decay of running sums: an observation's weight halves after ~7 later rounds, so the
+# estimates follow the text (code copied from the prompt vs. free prose) within one call
+DECAY = 0.9
+
+
+def decayed(total: float, value: float) -> float:
+    """A running sum with `DECAY`: the older part weighs a little less each round."""
+    return DECAY * total + value
+
+
+def expected_tokens(acceptance_rate: float, length: int) -> float:
+    """Tokens one verification of ``length`` proposed tokens emits on average when each is accepted
+    with probability ``acceptance_rate`` until the first rejection: 1 + alpha + ... + alpha^length."""
+    total, power = 1.0, 1.0
+    for _ in range(length):
+        power *= acceptance_rate
+        total += power
+    return total
+
+
+def best_length(
+    acceptance_rate: float,
+    seconds_per_token: float,
+    verification_seconds: Callable[[int], float],
+    maximum: int,
+    minimum: int = 1,
+) -> int:
+    """The proposal length l in minimum..maximum that maximises expected tokens per second,
+    E(l) / (l * seconds_per_token + verification_seconds(l + 1)); ties go to the shorter one.
+
+    With a constant verification cost this is Leviathan et al.'s optimal draft length; with a
+    cost curve T_v(k) it is the same question asked of the machine at hand.
+    """
+    best, best_rate = minimum, -1.0
+    for length in range(minimum, maximum + 1):
+        cost = length * seconds_per_token + verification_seconds(length + 1)
+        rate = expected_tokens(acceptance_rate, length) / max(cost, 1e-12)
+        if rate > best_rate * (1 + 1e-9):
+            best, best_rate = length, rate
+    return best
+
+
+def acceptance_rate_estimate(accepted: float, rejections: float) -> float:
+    """Per-token acceptance rate alpha from (decayed) counts, with one pseudo-observation each way.
+
+    Each verification accepts a leading run and ends in at most one rejection, so the geometric
+    maximum-likelihood estimate is accepted / (accepted + rejections); the pseudo-counts keep it
+    inside (0, 1) before either has been seen.
+    """
+    if accepted < 0 or rejections < 0:
+        raise ValueError(f"counts must be >= 0, got accepted={accepted}, rejections={rejections}")
+    return (accepted + 1.0) / (accepted + rejections + 2.0)
+
+
+def worth_one_more(survival: float, next_acceptance: float, expected: float, round_seconds: float,
+                   marginal_seconds: float) -> bool:
+    """Whether drafting one more token raises the round's expected tokens per second.
+
+    The round so far: ``expected`` tokens for ``round_seconds``; the next token adds
+    ``survival * next_acceptance`` expected tokens (every draft so far accepted, then this one) for
+    ``marginal_seconds`` (a drafting step plus what it adds to the verification, s + T_v(j + 2) -
+    T_v(j + 1)). It pays iff the marginal rate beats the round's: g / m > E / C.
+    """
+    return survival * next_acceptance * round_seconds > expected * marginal_seconds
