@@ -125,17 +125,32 @@ class IntermediateLevel:
         threshold = self.schedule.length()
         block = Block(self.verifier.rules.eos_token_ids, budget, sequence.device)
         self._start = sequence.shape[0]
+        stops_per_token = self.schedule.stops_per_token
         with timed(self.clock) as span:  # this level and everything below: what the block cost
             while not block.closed and block.size < threshold:
                 # one more than the block can take: the level below may then draft up to the budget,
                 # and only the verifier's own last token (free from the same forward) can be cut
                 round_ = self.verifier.verify(torch.cat([sequence, block.tokens]), budget - block.size + 1)
-                block.extend(round_.tokens, round_.scores.softmax(-1) if self.verifier.samples else None)
+                probs = round_.scores.softmax(-1) if self.verifier.samples or stops_per_token else None
+                before = block.size
+                kept = block.extend(round_.tokens, probs if self.verifier.samples else None)
+                if stops_per_token and self._stop_within(block, before, round_.tokens[:kept], probs[:kept]):
+                    break
         proposal = block.proposal()
         self._proposed = len(proposal)
         self.stats.proposed += len(proposal)
         self.schedule.observe_proposal(len(proposal), span.seconds)
         return proposal
+
+    def _stop_within(self, block: Block, before: int, tokens: torch.LongTensor, probs: torch.Tensor) -> bool:
+        """Ask the schedule, token by token, whether to go on after each new token (its confidence:
+        this level's probability of it); on the first no, end the block right after that token."""
+        confidences = probs.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()
+        for index, confidence in enumerate(confidences):
+            if not block.closed and not self.schedule.keep_drafting(confidence):
+                block.truncate(before + index + 1)
+                return True
+        return False
 
     def verified(self, kept: int, seconds: float) -> None:
         self.schedule.observe_verification(self._proposed, kept, seconds)
@@ -229,11 +244,17 @@ def build_chain(
 
     bottom = len(models) - 1
     if runners[bottom] is None:
-        level = parts.drafter_level(models[bottom], rules, stats.levels[bottom], clock)
+        # a Drafter sets its own length; the cost-aware schedule caps it (and can sit it out) by how
+        # often the level above accepts its drafts
+        schedule = None if config.schedule != "cost_aware" else make_schedule(
+            config.schedule, MAX_DRAFT_TOKENS, MAX_DRAFT_TOKENS, verifier_costs=estimates[bottom - 1]
+        )
+        schedules[bottom] = schedule
+        level = parts.drafter_level(models[bottom], rules, stats.levels[bottom], clock, schedule)
     else:
         own = estimates[bottom]
         schedules[bottom] = make_schedule(
-            config.schedule, config.num_draft_tokens, MAX_DRAFT_TOKENS, drafter=True,
+            config.schedule, config.num_draft_tokens, MAX_DRAFT_TOKENS, per_token=True,
             verifier_costs=estimates[bottom - 1], step_seconds=None if own is None else own.seconds(1),
         )
         # below a greedy intermediate level, sampled drafts would only lower its acceptance
@@ -243,8 +264,10 @@ def build_chain(
     for index in range(bottom - 1, 0, -1):  # intermediate levels, bottom-up
         samples = rules.do_sample and not greedy_intermediates
         verifier = parts.verifier(runners[index], level, rules, stats.levels[index], samples, clock)
+        # its cost per token is known only from its rounds (several tokens per forward): no static check
         schedules[index] = make_schedule(
-            config.schedule, thresholds[index - 1], MAX_BLOCK_THRESHOLD, verifier_costs=estimates[index - 1]
+            config.schedule, thresholds[index - 1], MAX_BLOCK_THRESHOLD, per_token=True,
+            verifier_costs=estimates[index - 1],
         )
         level = parts.intermediate(verifier, schedules[index], clock)
     top = parts.verifier(runners[0], level, rules, stats.levels[0], rules.do_sample, clock)

@@ -86,23 +86,35 @@ class ModelDrafter:
 
 class DrafterLevel:
     """Adapts a `Drafter` (the public, model-free interface) to the level protocol, checking what it
-    returns."""
+    returns. A ``schedule`` (cost-aware) caps how many tokens it may propose, or sits it out
+    (0: the level above decodes alone) when its drafts do not pay; without one, the drafter's own
+    length holds."""
 
-    def __init__(self, drafter: Drafter, rules: DecodingRules, stats: LevelStats, clock: Clock = DEFAULT_CLOCK):
+    def __init__(self, drafter: Drafter, rules: DecodingRules, stats: LevelStats, clock: Clock = DEFAULT_CLOCK,
+                 schedule: Schedule | None = None):
         self.drafter, self.rules, self.stats, self.clock = drafter, rules, stats, clock
+        self.schedule = schedule
         self._start = 0
+        self._proposed = 0
 
     def propose(self, sequence: torch.LongTensor, budget: int) -> Proposal:
         self._start = sequence.shape[0]
-        with self.stats.timed(self.clock):
+        if self.schedule is not None:
+            budget = min(budget, self.schedule.length())
+        with self.stats.timed(self.clock) as span:
             tokens, log_probs = self.drafter.propose(sequence.unsqueeze(0), budget)
             check_drafter_output(type(self.drafter).__name__, tokens, log_probs, budget)
             block = Block(self.rules.eos_token_ids, budget, sequence.device)
             block.extend(tokens.to(sequence.device), None if log_probs is None else log_probs.exp())
         self.stats.proposed += block.size
+        self._proposed = block.size
+        if self.schedule is not None:
+            self.schedule.observe_proposal(block.size, span.seconds)
         return block.proposal()
 
     def verified(self, kept: int, seconds: float) -> None:
+        if self.schedule is not None:
+            self.schedule.observe_verification(self._proposed, kept, seconds)
         self.rollback_to(self._start + kept)
 
     def rollback_to(self, length: int) -> None:

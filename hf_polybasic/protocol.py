@@ -95,6 +95,17 @@ class Block:
         self.size += keep
         return keep
 
+    def truncate(self, size: int) -> None:
+        """Keep only the first ``size`` tokens (a level that decides, from the tokens up to one of
+        them, to end its proposal there; what follows was not looked at, so dropping it is exact)."""
+        if size >= self.size:
+            return
+        self._tokens = [self.tokens[:size]]
+        if self._probs:
+            self._probs = [torch.cat(self._probs)[:size]]
+        self.size = size
+        self.ended = bool(size) and int(self._tokens[0][-1]) in self.eos_token_ids
+
     def proposal(self) -> Proposal:
         probs = torch.cat(self._probs) if self._probs else None
         return Proposal(self.tokens, probs)

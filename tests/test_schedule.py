@@ -26,9 +26,9 @@ from hf_polybasic.integration import make_generate
 from hf_polybasic.levels import early_exit
 from hf_polybasic.protocol import Proposal
 from hf_polybasic.schedule import (
-    BACKOFF_MARGIN,
     FIRST_BACKOFF_ROUNDS,
-    PROBE_ROUNDS,
+    SAFETY_MARGIN,
+    SAFETY_ROUNDS,
     WARMUP_ROUNDS,
     ConfidenceCalibration,
     ConstantSchedule,
@@ -55,7 +55,7 @@ class Curve:
 def test_make_schedule_builds_one_class_per_policy():
     assert isinstance(make_schedule("constant", 4, 16), ConstantSchedule)
     assert isinstance(make_schedule("heuristic", 4, 16), HeuristicSchedule)
-    assert isinstance(make_schedule("cost_aware", 4, 16, drafter=True), CostAwareSchedule)
+    assert isinstance(make_schedule("cost_aware", 4, 16, per_token=True), CostAwareSchedule)
     with pytest.raises(ValueError, match="schedule must be one of"):
         make_schedule("adaptive", 4, 16)
 
@@ -145,7 +145,7 @@ def _drafted_lengths(schedule, confidences, rounds=6, verify=0.1):
 
 def test_confident_drafts_run_long_and_unsure_ones_stop_early():
     def schedule():
-        return CostAwareSchedule(4, 16, drafter=True, verifier_costs=Curve(lambda k: 0.1), step_seconds=0.002)
+        return CostAwareSchedule(4, 16, per_token=True, verifier_costs=Curve(lambda k: 0.1), step_seconds=0.002)
 
     assert _drafted_lengths(schedule(), [0.99] * 20)[-1] == 16  # a flat curve and sure drafts: the maximum
     unsure = schedule()
@@ -156,7 +156,7 @@ def test_confident_drafts_run_long_and_unsure_ones_stop_early():
 
 def test_keep_drafting_weighs_the_marginal_verification_cost():
     def warmed(curve):
-        schedule = CostAwareSchedule(4, 16, drafter=True, verifier_costs=Curve(curve), step_seconds=0.004)
+        schedule = CostAwareSchedule(4, 16, per_token=True, verifier_costs=Curve(curve), step_seconds=0.004)
         for _ in range(3):  # confident drafts that are accepted
             for _ in range(4):
                 schedule.keep_drafting(0.9)
@@ -172,10 +172,10 @@ def test_keep_drafting_weighs_the_marginal_verification_cost():
 
 def test_it_backs_off_at_once_when_not_even_perfect_acceptance_could_pay():
     """Verifying k tokens costs k steps (bf16 without bf16 units): drafting can never pay."""
-    schedule = CostAwareSchedule(4, 16, drafter=True, verifier_costs=Curve(lambda k: 0.1 * k), step_seconds=0.01)
+    schedule = CostAwareSchedule(4, 16, per_token=True, verifier_costs=Curve(lambda k: 0.1 * k), step_seconds=0.01)
     assert schedule.length() == 0
-    flat = CostAwareSchedule(4, 16, drafter=True, verifier_costs=Curve(lambda k: 0.1), step_seconds=0.01)
-    assert flat.length() == 16  # a drafter drafts up to the maximum; keep_drafting ends the draft
+    flat = CostAwareSchedule(4, 16, per_token=True, verifier_costs=Curve(lambda k: 0.1), step_seconds=0.01)
+    assert flat.length() == 16  # a model level proposes up to the maximum; keep_drafting ends the proposal
 
 
 def _round(schedule, length, accepted, proposing, verify=0.1):
@@ -183,86 +183,81 @@ def _round(schedule, length, accepted, proposing, verify=0.1):
     schedule.observe_verification(length, accepted, verify)
 
 
-def test_it_backs_off_when_rounds_yield_less_than_plain_decoding_and_probes_again():
-    schedule = CostAwareSchedule(4, 16, verifier_costs=Curve(lambda k: 0.1))
-    _round(schedule, 4, 4, 5.0, verify=5.0)  # the first round holds the prompt's prefill: never judged
-    # rounds that accept nothing and cost a step of proposing each: 1 token per 0.2 s < plain's 1 per 0.1 s
-    for _ in range(WARMUP_ROUNDS - 1):
-        assert schedule.length() > 0
-        _round(schedule, schedule.length(), 0, 0.1)
-    assert schedule.length() == 0
+def test_it_backs_off_when_first_tokens_stop_paying_and_probes_again():
+    """A round pays iff its first token does: a (T_v(1) + o) > s + T_v(2) - T_v(1). Drafts that are
+    all rejected, at a step of 0.05 s against a 0.1 s verification, stop paying once the running
+    first-token acceptance falls below one half."""
+    schedule = CostAwareSchedule(4, 16, per_token=True, verifier_costs=Curve(lambda k: 0.1), step_seconds=0.05)
+    _round(schedule, 2, 0, 5.0, verify=5.0)  # the first round holds the prompt's prefill
+    rounds = 1
+    while schedule.length() > 0:
+        _round(schedule, 2, 0, 0.1)
+        rounds += 1
+        assert rounds < 20
+    assert schedule.first_token_acceptance() * 0.1 <= 0.05 and rounds >= WARMUP_ROUNDS
     lengths = []
     for _ in range(FIRST_BACKOFF_ROUNDS):  # the parent decodes alone
         _round(schedule, 0, 0, 0.0)
         lengths.append(schedule.length())
     assert lengths[:-1] == [0] * (FIRST_BACKOFF_ROUNDS - 1) and lengths[-1] > 0  # then it probes
     assert schedule.paused_rounds == FIRST_BACKOFF_ROUNDS
-    # a probe that pays (everything accepted, cheap proposals) resumes proposing
-    for _ in range(PROBE_ROUNDS):
+    # probes whose drafts are accepted make the first token pay again: proposing resumes, and the
+    # next pause would be the first one again
+    for _ in range(4):
         length = schedule.length()
-        _round(schedule, length, length, 0.001 * length)
-    assert schedule.length() > 0 and not schedule.backoff.paused
+        _round(schedule, length, length, 0.05 * length)
+    assert schedule.length() > 0 and schedule.backoff.stretch == FIRST_BACKOFF_ROUNDS
 
 
 def test_a_first_round_slowed_by_the_prefill_does_not_make_it_back_off():
     """The first verification feeds the whole prompt: counted as a yield it made a chain back off
     on prose (1 token in 0.7 s against plain decoding's 0.17 s)."""
-    schedule = CostAwareSchedule(4, 16, drafter=True, verifier_costs=Curve(lambda k: 0.17), step_seconds=0.035)
+    schedule = CostAwareSchedule(4, 16, per_token=True, verifier_costs=Curve(lambda k: 0.17), step_seconds=0.035)
     _round(schedule, 3, 0, 0.1, verify=0.6)
-    for _ in range(6):
+    for _ in range(SAFETY_ROUNDS + 4):
         _round(schedule, 3, 1, 0.105, verify=0.17)  # 2 tokens per 0.275 s: 7.3 tok/s against plain's 5.9
-        assert schedule.length() > 0
+        assert schedule.length() > 0 and schedule.overhead() == 0
 
 
-def test_a_tie_within_the_noise_does_not_back_off_but_a_clear_loss_does():
-    def run(rate_factor):
-        schedule = CostAwareSchedule(4, 16, verifier_costs=Curve(lambda k: 0.1))
+def test_the_clock_backs_off_only_after_enough_rounds_clearly_below_plain_decoding():
+    """Costs that say proposing pays, and a clock that says it does not (the curves are wrong):
+    the safety net waits for SAFETY_ROUNDS rounds and a loss beyond SAFETY_MARGIN."""
+    def run(rate_factor, rounds):
+        schedule = CostAwareSchedule(4, 16, per_token=True, verifier_costs=Curve(lambda k: 0.1), step_seconds=0.001)
         _round(schedule, 2, 2, 1.0, verify=1.0)  # prefill
-        for _ in range(WARMUP_ROUNDS + 2):
-            # 2 tokens per round, priced so the round's rate is rate_factor x plain's 10 tok/s
+        for _ in range(rounds):  # 2 tokens per round, timed at rate_factor x plain's 10 tok/s
             _round(schedule, 2, 1, 2 / (10 * rate_factor) - 0.1)
         return schedule.backoff.paused
 
-    assert not run(BACKOFF_MARGIN + 0.02)
-    assert run(BACKOFF_MARGIN - 0.1)
+    assert not run(SAFETY_MARGIN + 0.05, SAFETY_ROUNDS + 2)  # within the noise
+    assert not run(SAFETY_MARGIN - 0.2, SAFETY_ROUNDS - 1)  # too little evidence yet
+    assert run(SAFETY_MARGIN - 0.2, SAFETY_ROUNDS)
 
 
 def test_failed_probes_double_the_back_off():
-    schedule = CostAwareSchedule(4, 16, verifier_costs=Curve(lambda k: 0.1))
+    schedule = CostAwareSchedule(4, 16, per_token=True, verifier_costs=Curve(lambda k: 0.1), step_seconds=0.05)
     stretches = []
-    for _ in range(160):
+    for _ in range(200):
         length = schedule.length()
         if length == 0:
             _round(schedule, 0, 0, 0.0)
         else:
             if not schedule.backoff.paused and (not stretches or stretches[-1] != schedule.backoff.stretch):
                 stretches.append(schedule.backoff.stretch)
-            _round(schedule, length, 0, 0.2)
-    assert stretches[:3] == [FIRST_BACKOFF_ROUNDS, 2 * FIRST_BACKOFF_ROUNDS, 4 * FIRST_BACKOFF_ROUNDS]
+            _round(schedule, length, 0, 0.05 * length)
+    assert stretches[:4] == [FIRST_BACKOFF_ROUNDS, 2 * FIRST_BACKOFF_ROUNDS, 4 * FIRST_BACKOFF_ROUNDS,
+                             8 * FIRST_BACKOFF_ROUNDS]
 
 
-def test_a_probe_that_only_ties_with_plain_decoding_keeps_the_back_off_doubling():
-    schedule = CostAwareSchedule(4, 16, verifier_costs=Curve(lambda k: 0.1))
-    schedule.backoff.stretch = 16  # after a few failed probes
-    # rounds yielding about plain decoding's rate: 2 tokens per 0.19 s against 1 per 0.1 s
-    for _ in range(WARMUP_ROUNDS + PROBE_ROUNDS):
+def test_a_drafter_without_confidences_gets_the_length_its_acceptance_pays_for():
+    schedule = CostAwareSchedule(16, 16, verifier_costs=Curve(lambda k: 0.1 + 0.01 * k))
+    assert schedule.length() == 16  # its own length first
+    for _ in range(6):  # half of each proposal accepted
         length = schedule.length()
-        _round(schedule, length, 1, 0.09)
-    assert schedule.backoff.stretch == 16
-    # one that pays clearly more resets it
-    for _ in range(8):
-        length = schedule.length()
-        _round(schedule, length, length, 0.001)
-    assert schedule.backoff.stretch == FIRST_BACKOFF_ROUNDS
-
-
-def test_an_intermediate_level_moves_mu_after_warm_up():
-    schedule = CostAwareSchedule(4, 16)
-    _round(schedule, 4, 4, 0.0004, verify=0.3)
-    assert schedule.length() == 4  # still warming up
-    for _ in range(5):
-        _round(schedule, schedule.length(), schedule.length(), 0.0001 * schedule.length(), verify=0.3)
-    assert schedule.length() == 16
+        _round(schedule, length, length // 2, 0.0001)
+    assert 1 <= schedule.length() < 16
+    assert schedule.length() == best_length(min(schedule.acceptance_rate(), 0.999), schedule.seconds_per_token(),
+                                            schedule.verification_seconds, 16)
 
 
 # --- the policy on simulated machines: deterministic --------------------------------------------

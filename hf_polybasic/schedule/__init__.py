@@ -9,9 +9,10 @@ A schedule belongs to a proposing level (the child). The child asks `length` bef
 * ``"constant"`` (`ConstantSchedule`): always the configured length (the paper's static K and mu);
 * ``"heuristic"`` (`HeuristicSchedule`): transformers' rule, +2 after a proposal accepted whole,
   -1 otherwise;
-* ``"cost_aware"`` (`CostAwareSchedule`, the default): drafts as long as the drafter's confidence
-  and the machine's measured costs say one more token pays, and backs off to plain decoding where
-  proposing cannot pay (see `hf_polybasic.schedule.cost_aware`).
+* ``"cost_aware"`` (`CostAwareSchedule`, the default): a model level proposes as long as its
+  confidence and the machine's measured costs say one more token pays, a `Drafter` as many tokens
+  as its acceptance pays for, and a level backs off to plain decoding where proposing cannot pay
+  (see `hf_polybasic.schedule.cost_aware`).
 
 The pure math (expected tokens, the best length, the acceptance estimate) is in `rates`, the
 confidence-to-acceptance curves in `calibration`, the pause / probe states in `backoff`.
@@ -25,9 +26,9 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from .backoff import BACKOFF_MARGIN, FIRST_BACKOFF_ROUNDS, MAX_BACKOFF_ROUNDS, PROBE_ROUNDS, RESET_MARGIN, BackOff
+from .backoff import FIRST_BACKOFF_ROUNDS, MAX_BACKOFF_ROUNDS, PROBE_ROUNDS, BackOff
 from .calibration import ConfidenceCalibration
-from .cost_aware import WARMUP_ROUNDS, CostAwareSchedule
+from .cost_aware import RESET_MARGIN, SAFETY_MARGIN, SAFETY_ROUNDS, WARMUP_ROUNDS, CostAwareSchedule
 from .fixed import ConstantSchedule, HeuristicSchedule
 from .rates import DECAY, acceptance_rate_estimate, best_length, expected_tokens, worth_one_more
 
@@ -50,28 +51,30 @@ class Schedule(Protocol):
 
 
 def make_schedule(
-    kind: str, initial: int, maximum: int, drafter: bool = False, verifier_costs=None,
+    kind: str, initial: int, maximum: int, per_token: bool = False, verifier_costs=None,
     step_seconds: float | None = None,
 ) -> Schedule:
     """The schedule of one level: ``kind`` is one of `SCHEDULES`; ``initial`` the configured K or
-    mu, ``maximum`` the longest proposal a varying schedule makes; ``drafter``: the level drafts
-    token by token (a model drafter). ``verifier_costs`` / ``step_seconds``: see `CostAwareSchedule`."""
+    mu, ``maximum`` the longest proposal a varying schedule makes; ``per_token``: the level proposes
+    token by token with confidences (a model level). ``verifier_costs`` / ``step_seconds``: see
+    `CostAwareSchedule`."""
     if kind == "constant":
         return ConstantSchedule(initial)
     if kind == "heuristic":
         return HeuristicSchedule(initial, maximum)
     if kind == "cost_aware":
-        return CostAwareSchedule(initial, maximum, drafter, verifier_costs, step_seconds)
+        return CostAwareSchedule(initial, maximum, per_token, verifier_costs, step_seconds)
     raise ValueError(f"schedule must be one of {SCHEDULES}, got {kind!r}")
 
 
 __all__ = [
-    "BACKOFF_MARGIN",
     "DECAY",
     "FIRST_BACKOFF_ROUNDS",
     "MAX_BACKOFF_ROUNDS",
     "PROBE_ROUNDS",
     "RESET_MARGIN",
+    "SAFETY_MARGIN",
+    "SAFETY_ROUNDS",
     "SCHEDULES",
     "WARMUP_ROUNDS",
     "BackOff",

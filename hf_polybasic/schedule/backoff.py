@@ -1,9 +1,10 @@
 """Back-off: when proposing does not pay, a level proposes nothing for a stretch of rounds.
 
 The level above then decodes exactly as plain decoding does. After the stretch the level probes
-(`PROBE_ROUNDS` rounds with proposals, judged on their own); a probe that fails doubles the next
-stretch (up to `MAX_BACKOFF_ROUNDS`), one that pays clearly (`RESET_MARGIN` over plain decoding)
-resets it to `FIRST_BACKOFF_ROUNDS`.
+(`PROBE_ROUNDS` rounds with proposals, whatever the estimates say, so that they learn from fresh
+evidence); a pause that follows a probe is twice as long as the one before (up to
+`MAX_BACKOFF_ROUNDS`), and a probe after which proposing pays again resets the stretch to
+`FIRST_BACKOFF_ROUNDS`.
 """
 
 from __future__ import annotations
@@ -14,12 +15,6 @@ from __future__ import annotations
 FIRST_BACKOFF_ROUNDS = 8
 MAX_BACKOFF_ROUNDS = 64
 PROBE_ROUNDS = 1
-# a probe that pays this much better than plain decoding resets the back-off stretch (a probe that
-# merely ties does not: one round is noisy, and a lucky one would undo the doubling)
-RESET_MARGIN = 1.1
-# rounds must yield this much less than plain decoding before the level backs off: a machine whose
-# speed swings by tens of percent between prompts must not make a tie look like a loss
-BACKOFF_MARGIN = 0.95
 
 
 class BackOff:
@@ -28,7 +23,7 @@ class BackOff:
     Attributes:
         paused_for: rounds still to sit out (0: proposing).
         stretch: the length of the next pause.
-        probing: rounds of the current probe still to go.
+        probing: rounds of the current probe still to go (proposals are made whatever the estimates).
         paused_rounds: rounds sat out in all (reported in the statistics).
     """
 
@@ -42,7 +37,11 @@ class BackOff:
     def paused(self) -> bool:
         return self.paused_for > 0
 
-    def pause(self, rounds: int) -> None:
+    def pause(self, rounds: int | None = None) -> None:
+        """Sit out ``rounds`` (default: the current stretch, which then doubles)."""
+        if rounds is None:
+            rounds = self.stretch
+            self.stretch = min(2 * self.stretch, MAX_BACKOFF_ROUNDS)
         self.paused_for = rounds
         self.probing = 0
 
@@ -55,17 +54,10 @@ class BackOff:
             return True
         return False
 
-    def judge(self, rate: float, plain_rate: float) -> bool:
-        """After a round with proposals: back off (True) if ``rate`` falls short of plain decoding,
-        doubling the next stretch; reset the stretch if it pays clearly. Mid-probe: wait."""
-        if self.probing:
-            self.probing -= 1
-            if self.probing:
-                return False
-        if rate < BACKOFF_MARGIN * plain_rate:
-            self.pause(self.stretch)
-            self.stretch = min(2 * self.stretch, MAX_BACKOFF_ROUNDS)
-            return True
-        if rate >= RESET_MARGIN * plain_rate:
-            self.stretch = FIRST_BACKOFF_ROUNDS
-        return False
+    def probed(self) -> None:
+        """A round of the probe is done."""
+        self.probing = max(self.probing - 1, 0)
+
+    def reset(self) -> None:
+        """Proposing pays again: the next pause is the first one."""
+        self.stretch = FIRST_BACKOFF_ROUNDS

@@ -1,29 +1,35 @@
-"""The default schedule: proposal lengths from the drafter's confidence and the machine's costs.
+"""The default schedule: proposal lengths from confidences, acceptance and the machine's costs.
 
 A `CostAwareSchedule` belongs to a proposing level (the child). The parent's verification of k
 tokens costs T_v(k) (its cost curve, `hf_polybasic.costs`, at today's level) plus a per-round
 overhead o; this level's proposals cost s per token (measured).
 
-* **A model drafter** drafts token by token and, after each, asks `keep_drafting` with its
-  confidence in the token just drafted (its probability of it; the token is kept either way). It
-  drafts one more while that raises the round's expected tokens per second: with S the probability
-  that every draft so far is accepted and a the predicted acceptance of the next one (both from
-  the drafter's confidences, `ConfidenceCalibration`), one more token adds S a tokens for
-  s + T_v(j + 2) - T_v(j + 1) seconds, against the round's E tokens for C seconds so far
-  (`rates.worth_one_more`). Confident streaks (code, copied text) draft long, up to ``maximum``;
-  unsure drafts stop after a token or two; where a verification of k tokens costs about k steps
-  the marginal cost is a whole step and drafting stops early.
-* **An intermediate level** accumulates the mu in 1 .. ``maximum`` that maximises expected tokens
-  per second from the running acceptance rate (`rates.best_length`).
-* **Back-off** (`BackOff`): when rounds with proposals yield less than the parent decoding alone
-  (one token per T_v(1) + o, priced *now*: the parent's curve follows the machine's current speed,
-  so a machine that slows down mid-call slows both sides alike), or when the costs say that not
-  even perfect acceptance could pay, the level proposes nothing for a stretch of rounds.
+* **A model level** (the bottom drafter, or an intermediate level: ``per_token``) proposes token by
+  token and, after each, asks `keep_drafting` with its confidence in the token (its probability of
+  it; the token is kept either way). It goes on while one more token raises the round's expected
+  tokens per second: with S the probability that every token so far is accepted and a the
+  predicted acceptance of the next one (both from the level's confidences,
+  `ConfidenceCalibration`), one more token adds S a tokens for s + T_v(j + 2) - T_v(j + 1) seconds,
+  against the round's E tokens for C seconds so far (`rates.worth_one_more`). Confident streaks
+  (code, copied text) run long, up to ``maximum``; unsure tokens end the proposal; where a
+  verification of k tokens costs about k steps the marginal cost is a whole step and proposals stay
+  short.
+* **A `Drafter`** (no confidences: n-gram lookups) proposes the length in 1 .. ``maximum`` that
+  maximises expected tokens per second from its running acceptance (`rates.best_length`).
+* **Back-off** (`BackOff`): a round pays only if its first token does, a (T_v(1) + o) >
+  s + T_v(2) - T_v(1) with a the running acceptance of first tokens (every further token is
+  proposed only if it raises the round's rate, so a round whose first token pays beats plain
+  decoding in expectation). When it does not, or when the costs say that not even perfect
+  acceptance could pay, the level proposes nothing for a stretch of rounds, then probes. Every
+  quantity is a ratio of costs measured on the same curves, or a count of acceptances, so a machine
+  that slows down or speeds up mid-call moves both sides alike. As a safety net against wrong
+  costs, `SAFETY_ROUNDS` rounds that yield, by the clock, less than `SAFETY_MARGIN` of plain
+  decoding also make it back off.
 
-Lossless: lengths come from the past and from tokens already drafted (kept whatever they are);
-no drawn token is ever dropped, and verification is exact whatever the length (0 is plain
-decoding). Lengths depend on timings, so sampled outputs are exactly distributed but not
-bit-reproducible from a seed.
+Lossless: lengths come from the past and from tokens already proposed (kept whatever they are);
+no drawn token is ever dropped because of its value, and verification is exact whatever the length
+(0 is plain decoding). Lengths depend on timings, so sampled outputs are exactly distributed but
+not bit-reproducible from a seed.
 """
 
 from __future__ import annotations
@@ -32,42 +38,50 @@ from .backoff import MAX_BACKOFF_ROUNDS, BackOff
 from .calibration import ConfidenceCalibration
 from .rates import acceptance_rate_estimate, best_length, decayed, worth_one_more
 
-# verifications before an intermediate level trusts its acceptance estimate (until then: the
-# configured mu), and before the back-off judges the rounds (the first one, which includes the
-# prompt's prefill, never counts towards the yield)
+# verifications before the back-off judges the rounds and a Drafter's length moves (the first one,
+# which includes the prompt's prefill, never counts towards a yield or the overhead)
 WARMUP_ROUNDS = 3
+# acceptance of a round's first token before any evidence, as (accepted, rejected) pseudo-counts
+FIRST_TOKEN_PRIOR = (1.5, 0.5)
+# the clock's safety net: rounds with proposals in the window, and the share of plain decoding's
+# rate they must at least yield (wide: a shared machine's speed swings by tens of percent)
+SAFETY_ROUNDS = 8
+SAFETY_MARGIN = 0.8
+# a probe after which proposing pays by this margin resets the back-off stretch
+RESET_MARGIN = 1.1
 
 
 class CostAwareSchedule:
     """Proposal lengths of one level from confidences and costs (see the module docstring).
 
     Args:
-        initial: the configured length (K or mu); an intermediate level's first rounds use it.
+        initial: the configured length (K or mu, or a Drafter's own); a Drafter's first rounds use it.
         maximum: the longest proposal.
-        drafter: whether the level drafts token by token (a model drafter: `keep_drafting`
-            decides where a draft ends) or proposes blocks (an intermediate level).
+        per_token: the level proposes token by token with confidences (a model level:
+            `keep_drafting` decides where a proposal ends) rather than in one piece (a `Drafter`).
         verifier_costs: the parent's forward cost, ``seconds(k)`` for k tokens scored, and the
             seconds of its latest forward, ``last_seconds`` (`hf_polybasic.costs.CostEstimate`);
             None: the mean verification this call has seen.
-        step_seconds: what one proposed token costs this level, if known in advance (a model
-            drafter's T(1)); used before any round, and to back off at once when not even perfect
-            acceptance could pay.
+        step_seconds: what one proposed token costs this level, if known in advance (a model's
+            T(1)); used before any round, and to back off at once when not even perfect acceptance
+            could pay.
     """
 
-    def __init__(self, initial: int, maximum: int, drafter: bool = False, verifier_costs=None,
+    def __init__(self, initial: int, maximum: int, per_token: bool = False, verifier_costs=None,
                  step_seconds: float | None = None):
         self.initial, self.maximum = initial, max(maximum, initial)
-        self.drafter = drafter
+        self.per_token = per_token
         self.verifier_costs, self.step_seconds = verifier_costs, step_seconds
-        self.current = self.maximum if drafter else initial
+        self.current = self.maximum if per_token else initial
         self.rounds = 0
         self.calibration = ConfidenceCalibration()
         self.backoff = BackOff()
-        # decayed sums: acceptance, this level's cost per proposed token, realized yield of rounds
-        # with proposals; every verification's seconds and its overhead beyond the forward
+        # decayed sums: acceptance, first-token acceptance, this level's cost per proposed token,
+        # realized yield of rounds with proposals; every verification's seconds and its overhead
         self.accepted = self.rejections = 0.0
+        self.first_accepted, self.first_rejected = FIRST_TOKEN_PRIOR
         self.proposing_seconds = self.proposed_tokens = 0.0
-        self.yield_tokens = self.yield_seconds = 0.0
+        self.yield_tokens = self.yield_seconds = self.yield_rounds = 0.0
         self.verify_seconds = self.verifications = 0.0
         self.overhead_seconds = self.overhead_rounds = 0.0
         self._confidences: list[float] = []
@@ -77,7 +91,7 @@ class CostAwareSchedule:
     # --- what the level asks ---------------------------------------------------------------------
     @property
     def stops_per_token(self) -> bool:
-        return self.drafter
+        return self.per_token
 
     @property
     def paused_rounds(self) -> int:
@@ -87,13 +101,18 @@ class CostAwareSchedule:
         """Tokens to propose in the next round (0: let the parent decode alone)."""
         if not self._checked_costs:
             self._checked_costs = True
-            if self._drafting_cannot_pay():
+            if self._proposing_cannot_pay():
                 self.backoff.pause(MAX_BACKOFF_ROUNDS // 2)
-        return 0 if self.backoff.paused else self.current
+        if self.backoff.paused:
+            return 0
+        if not self.backoff.probing and self.rounds >= WARMUP_ROUNDS and not self.first_token_pays():
+            self.backoff.pause()
+            return 0
+        return self.current
 
     def keep_drafting(self, confidence: float) -> bool:
-        """Whether a model drafter should draft one more token this round, given its confidence in
-        the token it just drafted (which is kept either way)."""
+        """Whether a model level should propose one more token this round, given its confidence in
+        the token it just proposed (which is kept either way)."""
         self._confidences.append(confidence)
         drafted = len(self._confidences)
         calibration = self.calibration
@@ -109,6 +128,9 @@ class CostAwareSchedule:
     # --- estimates ---------------------------------------------------------------------------------
     def acceptance_rate(self) -> float:
         return acceptance_rate_estimate(self.accepted, self.rejections)
+
+    def first_token_acceptance(self) -> float:
+        return self.first_accepted / (self.first_accepted + self.first_rejected)
 
     def seconds_per_token(self) -> float:
         """What one proposed token costs this level (and everything below it)."""
@@ -131,7 +153,14 @@ class CostAwareSchedule:
         seconds = self.verification_seconds(1)
         return 1.0 / seconds if seconds > 0 else float("inf")
 
-    def _drafting_cannot_pay(self) -> bool:
+    def first_token_pays(self, margin: float = 1.0) -> bool:
+        """Whether proposing a round's first token is expected to beat the parent decoding alone:
+        a (T_v(1) + o) > margin (s + T_v(2) - T_v(1))."""
+        plain = self.verification_seconds(1)
+        marginal = self.seconds_per_token() + self.verification_seconds(2) - plain
+        return self.first_token_acceptance() * plain > margin * marginal
+
+    def _proposing_cannot_pay(self) -> bool:
         """Whether the costs alone rule proposing out: even if every proposed token were accepted,
         every length would emit tokens more slowly than the parent decoding alone (a tie is left to
         the rounds to settle)."""
@@ -147,7 +176,7 @@ class CostAwareSchedule:
     def observe_proposal(self, num_tokens: int, seconds: float) -> None:
         """The level proposed ``num_tokens`` tokens in ``seconds`` (its own and its children's work)."""
         self._last_proposal_seconds = seconds
-        if num_tokens > 0:
+        if num_tokens > 0 and self.rounds > 0:  # the first proposal holds the level's prefill
             self.proposing_seconds = decayed(self.proposing_seconds, seconds)
             self.proposed_tokens = decayed(self.proposed_tokens, num_tokens)
 
@@ -155,33 +184,44 @@ class CostAwareSchedule:
         """The parent accepted ``num_accepted`` of ``num_drafted`` proposed tokens in one verification
         of ``seconds``; updates the estimates and the length of the next round."""
         self.rounds += 1
+        first_round = self.rounds == 1  # its forwards include the prompt's (prefill)
         self.verify_seconds = decayed(self.verify_seconds, seconds)
         self.verifications = decayed(self.verifications, 1.0)
-        forward = getattr(self.verifier_costs, "last_seconds", None)
-        if self.verifier_costs is not None and self.rounds > 1:  # the first one holds the prefill
+        if self.verifier_costs is not None and not first_round:
+            forward = getattr(self.verifier_costs, "last_seconds", None)
             forward = self.verifier_costs.seconds(num_drafted + 1) if forward is None else forward
             self.overhead_seconds = decayed(self.overhead_seconds, max(seconds - forward, 0.0))
             self.overhead_rounds = decayed(self.overhead_rounds, 1.0)
         if num_drafted:
             self.accepted = decayed(self.accepted, num_accepted)
             self.rejections = decayed(self.rejections, float(num_accepted < num_drafted))
+            self.first_accepted = decayed(self.first_accepted, float(num_accepted > 0))
+            self.first_rejected = decayed(self.first_rejected, float(num_accepted == 0))
             self.calibration.observe(self._confidences[:num_drafted], num_accepted)
-            if self.rounds > 1:  # the first round's forwards include the prompt's (prefill): not a yield
+            if not first_round:
                 self.yield_tokens = decayed(self.yield_tokens, num_accepted + 1)
                 self.yield_seconds = decayed(self.yield_seconds, seconds + self._last_proposal_seconds)
+                self.yield_rounds += 1
         self._confidences = []
-        self._judge(num_drafted)
+        self._after_round(num_drafted)
 
-    def _judge(self, num_drafted: int) -> None:
+    def _after_round(self, num_drafted: int) -> None:
         if self.backoff.paused:
-            if self.backoff.sit_out():  # a probe: fresh evidence decides, the old rounds do not
-                self.yield_tokens = self.yield_seconds = 0.0
+            if self.backoff.sit_out():  # a probe follows: fresh evidence decides, the old rounds do not
+                self.yield_tokens = self.yield_seconds = self.yield_rounds = 0.0
+                self.first_accepted, self.first_rejected = FIRST_TOKEN_PRIOR
             return
-        if self.rounds < WARMUP_ROUNDS or num_drafted == 0:
+        if num_drafted == 0:
             return
-        if self.backoff.judge(self.yield_tokens / max(self.yield_seconds, 1e-12), self.plain_rate()):
+        if self.backoff.probing:
+            self.backoff.probed()
+            if not self.backoff.probing and self.first_token_pays(RESET_MARGIN):
+                self.backoff.reset()
+        rate = self.yield_tokens / max(self.yield_seconds, 1e-12)
+        if self.yield_rounds >= SAFETY_ROUNDS and rate < SAFETY_MARGIN * self.plain_rate():
+            self.backoff.pause()
             return
-        if not self.drafter:
+        if not self.per_token and self.rounds >= WARMUP_ROUNDS:
             self.current = best_length(
                 min(self.acceptance_rate(), 0.999), self.seconds_per_token(), self.verification_seconds, self.maximum
             )
