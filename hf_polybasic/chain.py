@@ -29,7 +29,7 @@ from .cache import CachedModel, model_label
 from .compat import new_dynamic_cache
 from .config import MAX_BLOCK_THRESHOLD, MAX_DRAFT_TOKENS, PolybasicConfig
 from .costs import CostCurves, CostEstimate
-from .drafters import Drafter
+from .drafters import AddedPromptLookup, Drafter
 from .drafting import DrafterLevel, ModelDrafter
 from .processing import DecodingRules, process_positions
 from .protocol import Block, Level, Proposal
@@ -260,14 +260,18 @@ def build_chain(
         # below a greedy intermediate level, sampled drafts would only lower its acceptance
         samples = rules.do_sample and not (greedy_intermediates and bottom > 1)
         level = parts.model_drafter(runners[bottom], rules, stats.levels[bottom], schedules[bottom], samples, clock)
-    thresholds = config.thresholds_for(bottom - 1)
+    added = int(isinstance(models[bottom], AddedPromptLookup))  # its level above has no mu of the caller's
+    thresholds = config.thresholds_for(bottom - 1 - added) + (MAX_BLOCK_THRESHOLD,) * added
     for index in range(bottom - 1, 0, -1):  # intermediate levels, bottom-up
         samples = rules.do_sample and not greedy_intermediates
         verifier = parts.verifier(runners[index], level, rules, stats.levels[index], samples, clock)
-        # its cost per token is known only from its rounds (several tokens per forward): no static check
+        # its T(1) is what a token costs until its rounds are timed (they may emit several per
+        # forward, so it does not rule the level out up front)
+        own = estimates[index]
         schedules[index] = make_schedule(
             config.schedule, thresholds[index - 1], MAX_BLOCK_THRESHOLD, per_token=True,
-            verifier_costs=estimates[index - 1],
+            verifier_costs=estimates[index - 1], step_seconds=None if own is None else own.seconds(1),
+            static_check=False,
         )
         level = parts.intermediate(verifier, schedules[index], clock)
     top = parts.verifier(runners[0], level, rules, stats.levels[0], rules.do_sample, clock)

@@ -55,6 +55,14 @@ class PolybasicConfig:
             because it was the fastest on every chain of the benchmark (docs: Benchmarks). Every
             schedule is lossless; ``"cost_aware"`` depends on timings, so sampled outputs are not
             bit-reproducible from a seed with it: use ``"constant"`` or ``"heuristic"`` for that.
+        prompt_lookup: True puts a `hf_polybasic.drafters.PromptLookup` below the *model* at the bottom
+            of the chain: a free level that drafts by copying what followed the last few tokens
+            earlier in the prompt or the text so far. The chain's last model then verifies those
+            copies in one forward instead of drafting token by token; the cost-aware schedule sits
+            the level out where its copies are not accepted. It pays where outputs copy their input
+            (code edits, summaries, retrieval); off by default because elsewhere the extra level costs
+            more than it saves (docs: Benchmarks). A chain whose bottom already is a `Drafter` is
+            left alone.
         measure_costs: under ``"cost_aware"``, measure a model's forward costs on this machine the
             first time it is used (~25 forwards, kept on disk: `hf_polybasic.costs`). False: use
             stored curves only (``hf-polybasic costs`` measures ahead), else the call's own timings;
@@ -65,6 +73,7 @@ class PolybasicConfig:
     block_threshold: int | tuple[int, ...] = 8
     verification: Literal["auto", "greedy"] = "auto"
     schedule: Literal["constant", "heuristic", "cost_aware"] = "cost_aware"
+    prompt_lookup: bool = False
     measure_costs: bool = True
 
     def __post_init__(self) -> None:
@@ -91,6 +100,8 @@ class PolybasicConfig:
             )
         if self.schedule not in SCHEDULES:
             raise ValueError(f"PolybasicConfig.schedule must be one of {SCHEDULES}, got {self.schedule!r}")
+        if not isinstance(self.prompt_lookup, bool):
+            raise ValueError(f"PolybasicConfig.prompt_lookup must be True or False, got {self.prompt_lookup!r}")
         if not isinstance(self.measure_costs, bool):
             raise ValueError(f"PolybasicConfig.measure_costs must be True or False, got {self.measure_costs!r}")
 

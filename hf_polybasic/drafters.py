@@ -77,3 +77,8 @@ class PromptLookup(Drafter):
                 start = int(hits[-1]) + n
                 return ids[start : start + limit], None
         return ids[:0], None
+
+
+class AddedPromptLookup(PromptLookup):
+    """The `PromptLookup` that `PolybasicConfig.prompt_lookup` puts below the bottom model (not one
+    the caller gave: the mu of the level above it is the schedule's own)."""

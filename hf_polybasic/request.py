@@ -17,7 +17,7 @@ import torch
 from . import compat
 from .compat import new_dynamic_cache
 from .config import PolybasicConfig
-from .drafters import Drafter
+from .drafters import AddedPromptLookup, Drafter
 from .processing import reject_stateful_processors
 from .vocabulary import as_id_list, check_chain_vocabularies
 
@@ -86,6 +86,7 @@ def check_request(
     config = resolve_config(polybasic_config, generation_config)
     reject_stateful_processors(logits_processor)
     config.thresholds_for(len(assistants) - 1)  # validates a per-level mu sequence before any work
+    assistants = with_prompt_lookup(assistants, config)
 
     rows = row_prompts(input_ids, model_kwargs.get("attention_mask"))
     check_position_ids(model_kwargs.get("position_ids"), rows)
@@ -135,6 +136,15 @@ def _target_caches(target, rows: int, use_cache: bool, given) -> list:
     if rows == 1 and given is not None:
         return [given]
     return [new_dynamic_cache(target) for _ in range(rows)]
+
+
+def with_prompt_lookup(assistants: list, config: PolybasicConfig) -> list:
+    """``assistants`` with a `PromptLookup` below the bottom model when the config asks for one
+    (`PolybasicConfig.prompt_lookup`); a Drafter at the bottom already is left alone. The mu of the
+    new intermediate level (the former bottom model) is the config's last one."""
+    if not config.prompt_lookup or isinstance(assistants[-1], Drafter):
+        return assistants
+    return [*assistants, AddedPromptLookup()]
 
 
 def validate_assistant_models(target, assistant_models, tokenizer=None) -> list:

@@ -61,3 +61,28 @@ def test_generation_config_with_garbage_is_a_type_error():
     generation_config.polybasic_config = "fast please"
     with pytest.raises(TypeError, match="polybasic_config"):
         hp.PolybasicConfig.from_generation_config(generation_config)
+
+
+def test_prompt_lookup_puts_a_free_level_below_the_bottom_model(shared_models):
+    import torch
+
+    import hf_polybasic as hp
+    from hf_polybasic.drafters import PromptLookup
+    from hf_polybasic.testing import prompt
+
+    target, draft = shared_models.chain("llama", 2, seed=5)
+    ids = prompt(6, seed=1)
+    options = dict(do_sample=False, max_new_tokens=30, eos_token_id=None)
+    reference = target.generate(ids, **options)
+    for config, levels in ((hp.PolybasicConfig(prompt_lookup=True), 3), (hp.PolybasicConfig(), 2)):
+        out = target.generate(ids, custom_generate=hp.generate, assistant_models=[draft], polybasic_config=config,
+                              return_dict_in_generate=True, **options)
+        assert torch.equal(out.sequences, reference)
+        assert len(out.polybasic_stats.levels) == levels
+    assert out.polybasic_stats.levels[-1].role == "drafter"
+    with_lookup = hp.PolybasicConfig(prompt_lookup=True, block_threshold=(4, 4), schedule="constant")
+    out = target.generate(ids, custom_generate=hp.generate, assistant_models=[draft, draft, PromptLookup()],
+                          polybasic_config=with_lookup, return_dict_in_generate=True, **options)
+    assert len(out.polybasic_stats.levels) == 4  # the caller's lookup is the bottom: nothing added
+    with pytest.raises(ValueError, match="prompt_lookup must be True or False"):
+        hp.PolybasicConfig(prompt_lookup=None)

@@ -155,3 +155,18 @@ def test_measuring_one_model_does_not_block_another(tmp_path, model):
     first.join()
     second.join()
     assert finished_while_blocked
+
+
+def test_the_schedule_prices_tokens_from_the_curves_trend_not_two_noisy_points():
+    """On a shared machine neighbouring points can differ by a third (T(2) above T(4)); the price of
+    one more token, T(j + 2) - T(j + 1), comes from the least-squares line through the points."""
+    from hf_polybasic.costs import CostEstimate
+    from hf_polybasic.costs.estimate import affine_fit
+
+    noisy = CostEstimate(CostCurve({1: 0.120, 2: 0.216, 4: 0.094, 8: 0.122, 16: 0.167}))
+    steps = [noisy.seconds(k + 1) - noisy.seconds(k) for k in range(1, 16)]
+    assert max(steps) == pytest.approx(min(steps)) and 0 <= steps[0] < 0.01
+    exact = CostEstimate(CostCurve({1: 0.1, 2: 0.11, 4: 0.13, 8: 0.17, 16: 0.25}))  # affine: kept as it is
+    assert exact.seconds(3) == pytest.approx(0.12) and exact.seconds(32) == pytest.approx(0.41)
+    assert affine_fit({1: 0.3, 8: 0.1}) == (pytest.approx(0.2), 0.0)  # a falling trend is noise: flat
+    assert affine_fit({4: 0.2}) == (0.2, 0.0)

@@ -375,3 +375,21 @@ def test_sampled_output_on_a_simulated_machine_drafts_and_keeps_the_budget():
     assert_every_level_took_part(out.polybasic_stats, rejections=False)
     assert_target_could_sample(target, out.sequences, 6, top_k=3)
 
+
+
+def test_an_intermediate_level_prices_its_tokens_by_its_own_step_until_its_rounds_are_timed():
+    """Its first block (which holds its prefill) is not timed; until its rounds are, a token costs
+    its model's T(1): priced at 0 it would run to the maximum whatever its confidence."""
+    schedule = make_schedule("cost_aware", 8, 32, per_token=True, verifier_costs=Curve(lambda k: 0.15 + 0.005 * k),
+                             step_seconds=0.045, static_check=False)
+    assert schedule.seconds_per_token() == 0.045
+    drafted = 0
+    for confidence in [0.33, 0.24, 0.06, 0.38, 0.83, 0.07, 0.27, 0.22]:
+        drafted += 1
+        if not schedule.keep_drafting(confidence):
+            break
+    assert drafted < 8
+    # no up-front back-off for an intermediate, even where one token per forward would not pay
+    steep = make_schedule("cost_aware", 8, 32, per_token=True, verifier_costs=Curve(lambda k: 0.1 * k),
+                          step_seconds=0.05, static_check=False)
+    assert steep.length() == 32

@@ -4,12 +4,26 @@ from __future__ import annotations
 
 import math
 
-from .curve import CostCurve, interpolate_cost, nondecreasing
+from .curve import CostCurve, nondecreasing
 
 # forwards feeding more tokens than this (prefills, long catch-ups) do not update an estimate
 ONLINE_MAX_TOKENS = 32
 # weight of the newest forward in the running scale of an estimate
 ONLINE_DECAY = 0.8
+
+
+def affine_fit(points: dict[int, float]) -> tuple[float, float]:
+    """(a, b) of the least-squares line a + b k through ``{k: seconds}``, with b >= 0 (a single
+    point: a constant)."""
+    ks, ys = list(points), list(points.values())
+    if len(ks) < 2:
+        return (ys[0] if ys else 0.0), 0.0
+    mean_k, mean_y = sum(ks) / len(ks), sum(ys) / len(ys)
+    spread = sum((k - mean_k) ** 2 for k in ks)
+    slope = max(sum((k - mean_k) * (y - mean_y) for k, y in zip(ks, ys)) / spread, 0.0) if spread else 0.0
+    if slope == 0.0:
+        return mean_y, 0.0
+    return mean_y - slope * mean_k, slope
 
 
 class CostEstimate:
@@ -58,7 +72,12 @@ class CostEstimate:
         return {k: v * self.scale(k) for k, v in self.curve.points.items()}
 
     def seconds(self, k: float) -> float:
-        return interpolate_cost(self.points(), k)
+        """T(k) as the schedule prices it: the least-squares line through the (nondecreasing) points,
+        T(k) = a + b k with b >= 0. A shared machine's measurements of neighbouring points can differ
+        by a third (T(2) above T(4)); the differences T(j + 2) - T(j + 1) that price one more token
+        must come from the curve's trend, not from two noisy points."""
+        intercept, slope = affine_fit(self.snapshot())
+        return max(intercept + slope * k, 1e-9)
 
     def snapshot(self) -> dict[int, float]:
         """``{k: seconds}`` at the measured k as the schedule uses them (made nondecreasing in k)."""

@@ -52,18 +52,18 @@ class Schedule(Protocol):
 
 def make_schedule(
     kind: str, initial: int, maximum: int, per_token: bool = False, verifier_costs=None,
-    step_seconds: float | None = None,
+    step_seconds: float | None = None, static_check: bool = True,
 ) -> Schedule:
     """The schedule of one level: ``kind`` is one of `SCHEDULES`; ``initial`` the configured K or
     mu, ``maximum`` the longest proposal a varying schedule makes; ``per_token``: the level proposes
-    token by token with confidences (a model level). ``verifier_costs`` / ``step_seconds``: see
-    `CostAwareSchedule`."""
+    token by token with confidences (a model level). ``verifier_costs`` / ``step_seconds`` /
+    ``static_check``: see `CostAwareSchedule`."""
     if kind == "constant":
         return ConstantSchedule(initial)
     if kind == "heuristic":
         return HeuristicSchedule(initial, maximum)
     if kind == "cost_aware":
-        return CostAwareSchedule(initial, maximum, per_token, verifier_costs, step_seconds)
+        return CostAwareSchedule(initial, maximum, per_token, verifier_costs, step_seconds, static_check)
     raise ValueError(f"schedule must be one of {SCHEDULES}, got {kind!r}")
 
 

@@ -63,15 +63,17 @@ class CostAwareSchedule:
             seconds of its latest forward, ``last_seconds`` (`hf_polybasic.costs.CostEstimate`);
             None: the mean verification this call has seen.
         step_seconds: what one proposed token costs this level, if known in advance (a model's
-            T(1)); used before any round, and to back off at once when not even perfect acceptance
-            could pay.
+            T(1)); used until its own proposals have been timed, and, with ``static_check``, to back
+            off at once when not even perfect acceptance could pay (an intermediate level, which
+            may emit several tokens per forward, only knows its cost per token from its rounds).
     """
 
     def __init__(self, initial: int, maximum: int, per_token: bool = False, verifier_costs=None,
-                 step_seconds: float | None = None):
+                 step_seconds: float | None = None, static_check: bool = True):
         self.initial, self.maximum = initial, max(maximum, initial)
         self.per_token = per_token
         self.verifier_costs, self.step_seconds = verifier_costs, step_seconds
+        self.static_check = static_check
         self.current = self.maximum if per_token else initial
         self.rounds = 0
         self.calibration = ConfidenceCalibration()
@@ -164,7 +166,7 @@ class CostAwareSchedule:
         """Whether the costs alone rule proposing out: even if every proposed token were accepted,
         every length would emit tokens more slowly than the parent decoding alone (a tie is left to
         the rounds to settle)."""
-        if self.verifier_costs is None or self.step_seconds is None:
+        if self.verifier_costs is None or self.step_seconds is None or not self.static_check:
             return False
         plain = 1.0 / max(self.verification_seconds(1), 1e-12)
         return all(

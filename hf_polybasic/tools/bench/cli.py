@@ -10,6 +10,7 @@ import argparse
 import sys
 
 from .methods import DEFAULT_METHODS, RECIPES
+from .prompts import QUESTION_SETS
 from .settings import DECODINGS
 
 QUICK = {"questions_per_group": 1, "max_new_tokens": 24, "repeats": 1, "warmup": 1}
@@ -36,7 +37,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "always run, as the baseline; see --list-methods")
     parser.add_argument("--list-methods", action="store_true", help="print the method names and exit")
     parser.add_argument("--question-file", default=None,
-                        help="Spec-Bench-format JSONL (question_id, category, turns); default: the shipped set")
+                        help="Spec-Bench-format JSONL (question_id, category, turns); default: a shipped set")
+    parser.add_argument("--question-set", choices=list(QUESTION_SETS), default="default",
+                        help="the shipped set to run without --question-file: 'default' (3 per group, 7 groups) or "
+                        "'heldout' (5 code and 5 prose prompts never used for tuning)")
     parser.add_argument("--groups", type=_names, default=None,
                         help="comma-separated task groups to run, e.g. qa,math-reasoning,code (default: all)")
     parser.add_argument("--questions-per-group", type=int, default=None,
@@ -76,6 +80,7 @@ def settings_from_args(args: argparse.Namespace, command: str | None = None):
         pack_target=args.pack_target,
         methods=args.methods,
         question_file=args.question_file,
+        question_set=args.question_set,
         groups=args.groups,
         decoding=args.decoding,
         seed=args.seed,

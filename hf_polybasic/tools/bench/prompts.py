@@ -12,6 +12,10 @@ that is not listed becomes a group of its own name.
 The default set (`default_questions`) was written for this package: three short prompts per
 group, original text, not taken from any data set. It is for smoke runs and the quick mode; point
 ``--question-file`` at Spec-Bench's ``question.jsonl`` for the real benchmark.
+
+The held-out set (`heldout_questions`, ``--question-set heldout``) was written when the cost-aware
+schedule was redesigned and never used to tune it: five code and five prose prompts, original text.
+Speed claims against transformers' assisted generation are measured on it.
 """
 
 from __future__ import annotations
@@ -260,6 +264,66 @@ _CODE = [
 ]
 
 
+_HELDOUT_CODE = [
+    "Write a Python class `LRUCache` with `get(key)` and `put(key, value)` methods backed by an "
+    "`OrderedDict`, with the capacity given to the constructor.",
+    "Write a function `is_valid_ipv4(address: str) -> bool` in Python that checks whether a string is a "
+    "dotted-quad IPv4 address, without using the ipaddress module, and show three example calls.",
+    "Convert this JavaScript function to idiomatic Python with type hints:\n\n"
+    "```javascript\n"
+    "function groupBy(items, keyFn) {\n"
+    "  const groups = {};\n"
+    "  for (const item of items) {\n"
+    "    const key = keyFn(item);\n"
+    "    if (!groups[key]) { groups[key] = []; }\n"
+    "    groups[key].push(item);\n"
+    "  }\n"
+    "  return groups;\n"
+    "}\n"
+    "```",
+    "Write a SQL query that returns, for each customer, the total amount of their orders in 2023 and the "
+    "date of their latest order, from the tables customers(id, name) and orders(id, customer_id, amount, "
+    "created_at). Then explain the query in two sentences.",
+    "Write pytest unit tests for a function `slugify(text)` that lowercases the text, replaces runs of "
+    "characters that are not letters or digits with a single hyphen, and strips hyphens from both ends.",
+]
+
+_HELDOUT_PROSE = [
+    "Write a short, friendly email to a neighbour asking whether they could water your tomato plants while "
+    "you are away for a week in August.",
+    "What are the main differences between a virus and a bacterium? Answer in a few sentences for a "
+    "secondary-school student.",
+    "Describe a quiet morning at a seaside harbour in one paragraph, as the opening of a short story.",
+    "Give five practical tips for someone who wants to start running regularly but finds it hard to stay "
+    "motivated.",
+    "Explain in simple terms how a bicycle stays upright while it is moving.",
+]
+
+QUESTION_SETS = ("default", "heldout")
+
+
+def heldout_questions() -> list[Question]:
+    """The held-out set: five code and five prose prompts never used to tune the package."""
+    return [Question(f"heldout-code-{i}", "code", "code", (text,)) for i, text in enumerate(_HELDOUT_CODE, 1)] + [
+        Question(f"heldout-prose-{i}", "prose", "prose", (text,)) for i, text in enumerate(_HELDOUT_PROSE, 1)
+    ]
+
+
+def questions_of(name: str) -> list[Question]:
+    """A shipped set by name (`QUESTION_SETS`)."""
+    if name == "default":
+        return default_questions()
+    if name == "heldout":
+        return heldout_questions()
+    raise ValueError(f"unknown question set {name!r}; choose one of {QUESTION_SETS}")
+
+
+def set_digest(name: str) -> str:
+    """A hash of a shipped set, recorded instead of a file digest."""
+    payload = [(q.question_id, q.turns) for q in questions_of(name)]
+    return hashlib.sha256(json.dumps(payload).encode()).hexdigest()
+
+
 def default_questions() -> list[Question]:
     """The shipped prompt set: three questions in each of the seven task groups."""
     questions = []
@@ -280,5 +344,4 @@ def default_questions() -> list[Question]:
 
 def default_set_digest() -> str:
     """A hash of the default set, recorded instead of a file digest."""
-    payload = [(q.question_id, q.turns) for q in default_questions()]
-    return hashlib.sha256(json.dumps(payload).encode()).hexdigest()
+    return set_digest("default")

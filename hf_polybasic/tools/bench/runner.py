@@ -48,9 +48,12 @@ def load_questions(settings: BenchSettings) -> tuple[list[prompt_sets.Question],
             "file": str(Path(settings.question_file).resolve()),
             "sha256": prompt_sets.file_digest(settings.question_file),
         }
-    else:
+    elif settings.question_set == "default":  # recorded as before, so earlier results stay valid
         questions = prompt_sets.default_questions()
         source = {"file": None, "default_set_sha256": prompt_sets.default_set_digest()}
+    else:
+        questions = prompt_sets.questions_of(settings.question_set)
+        source = {"file": None, "set": settings.question_set, "sha256": prompt_sets.set_digest(settings.question_set)}
     chosen = prompt_sets.select(questions, settings.groups, settings.questions_per_group)
     if not chosen:
         raise ValueError("no questions selected")

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from .methods import MethodOptions
+from .prompts import QUESTION_SETS
 
 RESULTS_FILE = "results.jsonl"
 RUN_FILE = "run.json"
@@ -28,6 +29,7 @@ class BenchSettings:
     pack_target: bool = False
     methods: tuple[str, ...] | None = None
     question_file: str | None = None
+    question_set: str = "default"
     groups: tuple[str, ...] | None = None
     questions_per_group: int | None = None
     max_new_tokens: int = 256
@@ -52,6 +54,8 @@ class BenchSettings:
         for name in ("max_new_tokens", "repeats", "num_draft_tokens", "block_threshold", "lookup_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.question_set not in QUESTION_SETS:
+            raise ValueError(f"question_set must be one of {QUESTION_SETS}, got {self.question_set!r}")
         if self.warmup < 0:
             raise ValueError(f"warmup must be >= 0, got {self.warmup}")
         if self.questions_per_group is not None and self.questions_per_group < 1:
