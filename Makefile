@@ -12,7 +12,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e ".[dev,docs,models,bench]"
+	$(BIN)/pip install --quiet -e ".[dev,docs,models,bench,quant4]"
 	touch $@
 
 demo: $(VENV)/.installed

@@ -61,16 +61,24 @@ def check_rollback_support(model: torch.nn.Module, cache, role: str) -> None:
 
 
 class CachedModel:
-    """A causal LM plus its own cache, fed incrementally along one token sequence.
+    """A causal LM plus its own cache, fed incrementally along the token sequences of ``rows`` rows.
+
+    One row: the cache holds exactly the row's cached tokens, and a rollback cuts its tail.
+    Several rows (a batch): one forward feeds every row its own new tokens at once. Each row's new
+    tokens are left-padded to the widest row's count; pads and rolled-back tokens are *holes*,
+    physical slots the attention mask hides, so rows that accepted different numbers of tokens never
+    have to be realigned (no cache is copied); each row's positions count its own tokens only.
+    Trailing slots that no row uses any more are cut. Sliding-window layers cannot skip holes (their
+    window counts slots), so a batch of such a model is decoded row by row (`supports_rows`).
 
     ``vocab_limit`` is the target's output width: an assistant's logits are cut to it (an assistant
     whose output layer is padded beyond the target's must never propose an id the target does not
     have) or padded to it with -inf, so every level's processors see the target's vocabulary.
 
     Attributes:
-        length: tokens of the current sequence whose keys/values are cached.
-        forward_passes: forward calls made (F_i in the paper).
-        cost_observer: told ``observe(tokens fed, seconds)`` after every forward, when set (a
+        lengths: per row, tokens of its current sequence whose keys/values are cached.
+        forward_passes: forward calls made (F_i in the paper; one per batched forward).
+        cost_observer: told ``observe(tokens computed, seconds)`` after every forward, when set (a
             `hf_polybasic.costs.CostEstimate` following what forwards cost on this machine now).
     """
 
@@ -81,51 +89,141 @@ class CachedModel:
         role: str,
         vocab_limit: int | None = None,
         clock: Clock = DEFAULT_CLOCK,
+        rows: int = 1,
     ):
         self.model = model
         self.vocab_limit = vocab_limit
         self.cache = cache
         self.role = role
         self.clock = clock
+        self.rows = rows
         self.device = model.device
         self.cuda_devices = cuda_devices(model)  # synchronized at the end of each timed forward
         if cache is not None:
             check_rollback_support(model, cache, role)
             compat.record_past_states(cache)
-        self.length = cache.get_seq_length() if cache is not None else 0
+        if rows > 1 and (cache is None or cache.get_seq_length() > 0):
+            raise ValueError(f"{role}: a batch of rows needs an empty cache of its own")
+        first = cache.get_seq_length() if cache is not None else 0
+        self.lengths = [first] * rows
+        self._slots = [list(range(first)) for _ in range(rows)]  # physical slot of each cached token
+        self._valid = torch.zeros(rows, 0, dtype=torch.bool, device=self.device)  # [rows, slots] (rows > 1)
         self.forward_passes = 0
         self.cost_observer = None
         self.input_vocabulary = input_vocabulary_size(model)
         self._accepts_logits_to_keep = compat.accepts_logits_to_keep(model)
 
+    @property
+    def length(self) -> int:
+        """Cached tokens of the only row (a one-row runner)."""
+        return self.lengths[0]
+
     def logits(self, sequence: torch.LongTensor, num_positions: int) -> torch.Tensor:
-        """Float32 logits ``[num_positions, V]`` for the last positions of ``sequence`` ``[L]``.
+        """Float32 logits ``[num_positions, V]`` for the last positions of ``sequence`` ``[L]`` (row 0).
 
         Row j predicts the token after ``sequence[:L - num_positions + 1 + j]``. Only tokens not
         yet cached are fed; afterwards all L tokens are cached.
         """
-        total = sequence.shape[0]
-        first_needed = total - num_positions
-        if self.length > first_needed:
-            self.rollback_to(first_needed)
-        fed = sequence[0 if self.cache is None else self.length :]
-        self._check_ids(fed)
-        kwargs = {"logits_to_keep": num_positions} if self._accepts_logits_to_keep else {}
-        inputs = fed.unsqueeze(0).to(self.device)
+        return self.logits_rows({0: (sequence, num_positions)})[0]
+
+    def logits_rows(self, requests: dict[int, tuple[torch.LongTensor, int]]) -> dict[int, torch.Tensor]:
+        """`logits` for several rows in one forward: ``{row: (sequence [L], num_positions)}`` ->
+        ``{row: [num_positions, V]}``; rows not asked feed nothing (their slots of this forward are
+        holes)."""
+        fed = {}
+        for row, (sequence, num_positions) in requests.items():
+            first_needed = sequence.shape[0] - num_positions
+            if self.lengths[row] > first_needed:
+                self.rollback_rows({row: first_needed})
+            fed[row] = sequence[0 if self.cache is None else self.lengths[row] :]
+            self._check_ids(fed[row])
+        keep = max(n for _, n in requests.values())
+        kwargs = {"logits_to_keep": keep} if self._accepts_logits_to_keep else {}
         with timed(self.clock) as span:
-            if self.cache is None:
-                outputs = self.model(input_ids=inputs, use_cache=False, **kwargs)
+            if self.rows == 1:
+                (row,) = requests
+                logits = {row: self._forward_one(fed[row], requests[row][1], kwargs)}
+                computed = int(fed[row].shape[0])
             else:
-                positions = torch.arange(self.length, total, device=self.device).unsqueeze(0)
-                outputs = self.model(
-                    input_ids=inputs, position_ids=positions, past_key_values=self.cache, use_cache=True, **kwargs
-                )
-            logits = outputs.logits[0, -num_positions:, : self.vocab_limit].float()
+                logits, computed = self._forward_rows(fed, {r: n for r, (_, n) in requests.items()}, kwargs)
             synchronize(self.cuda_devices)  # on a GPU, time the work, not its launch
         if self.cost_observer is not None:
-            self.cost_observer.observe(int(fed.shape[0]), span.seconds)
+            self.cost_observer.observe(computed, span.seconds)
         self.forward_passes += 1
-        self.length = total
+        for row, (sequence, _) in requests.items():
+            self.lengths[row] = sequence.shape[0]
+        return {row: self._to_target_vocabulary(value) for row, value in logits.items()}
+
+    def _forward_one(self, fed: torch.LongTensor, num_positions: int, kwargs: dict) -> torch.Tensor:
+        inputs = fed.unsqueeze(0).to(self.device)
+        if self.cache is None:
+            outputs = self.model(input_ids=inputs, use_cache=False, **kwargs)
+        else:
+            start = self.lengths[0]
+            positions = torch.arange(start, start + fed.shape[0], device=self.device).unsqueeze(0)
+            outputs = self.model(
+                input_ids=inputs, position_ids=positions, past_key_values=self.cache, use_cache=True, **kwargs
+            )
+            self._slots[0].extend(range(start, start + fed.shape[0]))
+        return outputs.logits[0, -num_positions:, : self.vocab_limit].float()
+
+    def _forward_rows(self, fed: dict, num_positions: dict, kwargs: dict) -> tuple[dict, int]:
+        """One forward of every row's new tokens, left-padded to the widest (pads are holes)."""
+        width = max(int(tokens.shape[0]) for tokens in fed.values())
+        slots = self._valid.shape[1]
+        inputs = torch.zeros(self.rows, width, dtype=torch.long, device=self.device)
+        positions = torch.zeros(self.rows, width, dtype=torch.long, device=self.device)
+        new_valid = torch.zeros(self.rows, width, dtype=torch.bool, device=self.device)
+        for row, tokens in fed.items():
+            count = int(tokens.shape[0])
+            if count == 0:
+                continue
+            inputs[row, width - count :] = tokens.to(self.device)
+            positions[row, width - count :] = torch.arange(self.lengths[row], self.lengths[row] + count)
+            new_valid[row, width - count :] = True
+            self._slots[row].extend(range(slots + width - count, slots + width))
+        self._valid = torch.cat([self._valid, new_valid], dim=1)
+        outputs = self.model(
+            input_ids=inputs, position_ids=positions, attention_mask=self._valid.long(), past_key_values=self.cache,
+            use_cache=True, **kwargs,
+        )
+        logits = {row: outputs.logits[row, -n:, : self.vocab_limit].float() for row, n in num_positions.items()}
+        return logits, self.rows * width
+
+    def prefill_repeated(self, prompts: dict[int, torch.LongTensor], repeats: int) -> None:
+        """Cache every row's prompt but its last token, computing each distinct prompt once: rows come
+        in groups of ``repeats`` identical prompts (``num_return_sequences``); the groups' caches are
+        then repeated (``batch_repeat_interleave``)."""
+        rows = sorted(prompts)
+        if self.rows == 1 or self.cache is None or any(self.lengths) or len(rows) != self.rows or self.rows % repeats:
+            raise ValueError(f"{self.role}: prefill_repeated needs an empty runner of {len(rows)} rows")
+        firsts = [prompts[row][:-1] for row in rows[::repeats]]
+        width = max(int(tokens.shape[0]) for tokens in firsts)
+        if width == 0:
+            return
+        inputs = torch.zeros(len(firsts), width, dtype=torch.long, device=self.device)
+        positions = torch.zeros_like(inputs)
+        valid = torch.zeros(len(firsts), width, dtype=torch.bool, device=self.device)
+        for group, tokens in enumerate(firsts):
+            count = int(tokens.shape[0])
+            self._check_ids(tokens)
+            inputs[group, width - count :] = tokens.to(self.device)
+            positions[group, width - count :] = torch.arange(count)
+            valid[group, width - count :] = True
+        kwargs = {"logits_to_keep": 1} if self._accepts_logits_to_keep else {}
+        with timed(self.clock):
+            self.model(input_ids=inputs, position_ids=positions, attention_mask=valid.long(), past_key_values=self.cache,
+                       use_cache=True, **kwargs)
+            synchronize(self.cuda_devices)
+        self.forward_passes += 1
+        self.cache.batch_repeat_interleave(repeats)
+        self._valid = valid.repeat_interleave(repeats, dim=0)
+        for row in rows:
+            count = int(firsts[row // repeats].shape[0])
+            self._slots[row] = list(range(width - count, width))
+            self.lengths[row] = count
+
+    def _to_target_vocabulary(self, logits: torch.Tensor) -> torch.Tensor:
         if self.vocab_limit is not None and logits.shape[-1] < self.vocab_limit:
             # ids this model lacks (padding rows of the target's output layer) are never proposed
             logits = torch.nn.functional.pad(logits, (0, self.vocab_limit - logits.shape[-1]), value=-float("inf"))
@@ -142,14 +240,48 @@ class CachedModel:
             )
 
     def rollback_to(self, length: int) -> None:
-        """Forget cached tokens past ``length`` (no-op if fewer are cached)."""
-        if length >= self.length:
+        """Forget the only row's cached tokens past ``length`` (no-op if fewer are cached)."""
+        self.rollback_rows({0: length})
+
+    def rollback_rows(self, lengths: dict[int, int]) -> None:
+        """Forget each row's cached tokens past its ``length`` (no-op where fewer are cached)."""
+        if self.rows == 1:
+            length = lengths.get(0, self.lengths[0])
+            if length < self.lengths[0]:
+                if self.cache is not None:
+                    compat.remove_last_tokens(self.cache, self.lengths[0] - length)
+                    del self._slots[0][length:]
+                self.lengths[0] = length
             return
-        if self.cache is not None:
-            compat.remove_last_tokens(self.cache, self.length - length)
-        self.length = length
+        for row, length in lengths.items():
+            if length >= self.lengths[row]:
+                continue
+            dropped = self._slots[row][length:]
+            self._valid[row, dropped] = False
+            del self._slots[row][length:]
+            self.lengths[row] = length
+        self._cut_unused_tail()
+
+    def _cut_unused_tail(self) -> None:
+        """Cut the trailing slots no row uses any more (the common case: every row rejected its tail)."""
+        used = self._valid.any(dim=0).nonzero()
+        keep = int(used[-1]) + 1 if used.numel() else 0
+        excess = self._valid.shape[1] - keep
+        if excess > 0:
+            compat.remove_last_tokens(self.cache, excess)
+            self._valid = self._valid[:, :keep]
 
     def commit(self) -> None:
         """Everything cached is final: let sliding layers drop states outside their window."""
         if self.cache is not None:
             compat.restrict_sliding_layers(self.cache)
+
+
+def supports_rows(model: torch.nn.Module) -> bool:
+    """Whether ``model`` can serve a batch of rows with holes in its cache: not with sliding-window
+    attention (its window counts cache slots, holes included)."""
+    config = model.config.get_text_config(decoder=True)
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        return not any("sliding" in str(kind) for kind in layer_types)
+    return not (getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True))

@@ -53,17 +53,17 @@ class Round:
 
 
 class Verifier:
-    """A model that verifies the proposals of the level below it.
+    """A model that verifies the proposals of the level below it, for every row asked, in one forward.
 
     ``samples=False`` verifies by argmax even when the target samples (an intermediate level with
-    ``verification="greedy"``).
+    ``verification="greedy"``). ``rules`` are per row.
     """
 
     def __init__(
         self,
         runner: CachedModel,
         child: Level,
-        rules: DecodingRules,
+        rules: dict[int, DecodingRules],
         stats: LevelStats,
         samples: bool,
         clock: Clock = DEFAULT_CLOCK,
@@ -72,32 +72,39 @@ class Verifier:
         self.samples = samples
         self.clock = clock
 
-    def verify(self, sequence: torch.LongTensor, budget: int) -> Round:
-        """Ask the child for a proposal, score it in one forward pass, keep what is accepted.
-
-        Emits between 1 and ``budget`` tokens (the child proposes at most one fewer).
-        """
-        proposal = self.child.propose(sequence, budget - 1)
-        start = sequence.shape[0]
+    def verify(self, requests: dict[int, tuple[torch.LongTensor, int]]) -> dict[int, Round]:
+        """``{row: (sequence, budget)}``: ask the child for each row's proposal, score them all in one
+        forward pass, keep what is accepted. Emits between 1 and ``budget`` tokens per row (the child
+        proposes at most one fewer)."""
+        proposals = self.child.propose({row: (sequence, budget - 1) for row, (sequence, budget) in requests.items()})
+        rounds, kept = {}, {}
         with self.stats.timed(self.clock) as span:
-            candidates = torch.cat([sequence, proposal.tokens])
-            logits = self.runner.logits(candidates, len(proposal) + 1).to(sequence.device)  # [k + 1, V]
-            scores = process_positions(self.rules.processors, candidates, start, logits)  # [k + 1, V]
-            if self.samples:
-                draft_probs = None if proposal.probs is None else proposal.probs.to(scores.device)
-                accepted, next_token = speculative_verify(proposal.tokens, draft_probs, scores.softmax(-1))
-            else:
-                accepted, next_token = greedy_verify(proposal.tokens, scores)
-            self.stats.record_verification(len(proposal), accepted)
-            self.runner.rollback_to(start + accepted)
-        self.child.verified(accepted, span.seconds)
-        tokens = torch.cat([proposal.tokens[:accepted], proposal.tokens.new_tensor([next_token])])
-        return Round(tokens=tokens, scores=scores[: accepted + 1], logits=logits[: accepted + 1])
+            candidates = {row: torch.cat([requests[row][0], proposals[row].tokens]) for row in requests}
+            logits = self.runner.logits_rows({row: (candidates[row], len(proposals[row]) + 1) for row in requests})
+            for row, (sequence, _) in requests.items():
+                rounds[row], kept[row] = self._accept(row, sequence, proposals[row], candidates[row], logits[row])
+            self.runner.rollback_rows({row: requests[row][0].shape[0] + count for row, count in kept.items()})
+        self.child.verified(kept, span.seconds)
+        return rounds
 
-    def rollback_to(self, length: int) -> None:
-        """Forget everything about tokens past ``length``, here and in every level below."""
-        self.runner.rollback_to(length)
-        self.child.rollback_to(length)
+    def _accept(self, row, sequence, proposal, candidates, logits) -> tuple[Round, int]:
+        """The one place a row's drafts are accepted (`hf_polybasic.verify`): (its round, accepted)."""
+        start = sequence.shape[0]
+        logits = logits.to(sequence.device)  # [k + 1, V]
+        scores = process_positions(self.rules[row].processors, candidates, start, logits)  # [k + 1, V]
+        if self.samples:
+            draft_probs = None if proposal.probs is None else proposal.probs.to(scores.device)
+            accepted, next_token = speculative_verify(proposal.tokens, draft_probs, scores.softmax(-1))
+        else:
+            accepted, next_token = greedy_verify(proposal.tokens, scores)
+        self.stats.record_verification(len(proposal), accepted)
+        tokens = torch.cat([proposal.tokens[:accepted], proposal.tokens.new_tensor([next_token])])
+        return Round(tokens=tokens, scores=scores[: accepted + 1], logits=logits[: accepted + 1]), accepted
+
+    def rollback_to(self, lengths: dict[int, int]) -> None:
+        """Forget everything about each row's tokens past its length, here and in every level below."""
+        self.runner.rollback_rows(lengths)
+        self.child.rollback_to(lengths)
 
     def commit(self) -> None:
         """Everything so far is final (the target has verified it), here and below."""
@@ -106,8 +113,9 @@ class Verifier:
 
 
 class IntermediateLevel:
-    """A `Verifier` that the level above uses as its proposer: it verifies rounds of the level
-    below until its block holds at least mu tokens (the schedule's length), an EOS or the budget.
+    """A `Verifier` that the level above uses as its proposer: for each row it verifies rounds of the
+    level below until the row's block holds at least mu tokens (its schedule's length), an EOS or the
+    budget, or its schedule ends it after a token; rows still building share each round's forward.
 
     Each round asks its verifier for one token more than the block has room for, so the level below
     drafts up to the budget (in a chain of n models every level drafts as soon as 2 tokens remain);
@@ -115,49 +123,63 @@ class IntermediateLevel:
     still an autoregressive sample of this level's distribution, and its cache never held that token).
     """
 
-    def __init__(self, verifier: Verifier, schedule: Schedule, clock: Clock = DEFAULT_CLOCK):
-        self.verifier, self.schedule, self.clock = verifier, schedule, clock
+    def __init__(self, verifier: Verifier, schedules: dict[int, Schedule], clock: Clock = DEFAULT_CLOCK):
+        self.verifier, self.schedules, self.clock = verifier, schedules, clock
         self.stats = verifier.stats
-        self._start = 0
-        self._proposed = 0
+        self._starts: dict[int, int] = {}
+        self._proposed: dict[int, int] = {}
 
-    def propose(self, sequence: torch.LongTensor, budget: int) -> Proposal:
-        threshold = self.schedule.length()
-        block = Block(self.verifier.rules.eos_token_ids, budget, sequence.device)
-        self._start = sequence.shape[0]
-        stops_per_token = self.schedule.stops_per_token
-        with timed(self.clock) as span:  # this level and everything below: what the block cost
-            while not block.closed and block.size < threshold:
-                # one more than the block can take: the level below may then draft up to the budget,
-                # and only the verifier's own last token (free from the same forward) can be cut
-                round_ = self.verifier.verify(torch.cat([sequence, block.tokens]), budget - block.size + 1)
-                probs = round_.scores.softmax(-1) if self.verifier.samples or stops_per_token else None
-                before = block.size
-                kept = block.extend(round_.tokens, probs if self.verifier.samples else None)
-                if stops_per_token and self._stop_within(block, before, round_.tokens[:kept], probs[:kept]):
-                    break
-        proposal = block.proposal()
-        self._proposed = len(proposal)
-        self.stats.proposed += len(proposal)
-        self.schedule.observe_proposal(len(proposal), span.seconds)
-        return proposal
+    def propose(self, requests: dict[int, tuple[torch.LongTensor, int]]) -> dict[int, Proposal]:
+        blocks, thresholds, building = {}, {}, []
+        for row, (sequence, budget) in requests.items():
+            thresholds[row] = self.schedules[row].length()
+            blocks[row] = Block(self.verifier.rules[row].eos_token_ids, budget, sequence.device)
+            self._starts[row] = sequence.shape[0]
+            if not blocks[row].closed and thresholds[row] > 0:
+                building.append(row)
+        with timed(self.clock) as span:  # this level and everything below: what the blocks cost
+            while building:
+                rounds = self.verifier.verify({
+                    row: (torch.cat([requests[row][0], blocks[row].tokens]), requests[row][1] - blocks[row].size + 1)
+                    for row in building
+                })
+                building = [row for row in building if self._extend(row, blocks[row], rounds[row], thresholds[row])]
+        total = sum(block.size for block in blocks.values())
+        for row, block in blocks.items():
+            self._proposed[row] = block.size
+            self.stats.proposed += block.size
+            self.schedules[row].observe_proposal(block.size, span.seconds * block.size / total if total else 0.0)
+        return {row: block.proposal() for row, block in blocks.items()}
 
-    def _stop_within(self, block: Block, before: int, tokens: torch.LongTensor, probs: torch.Tensor) -> bool:
+    def _extend(self, row: int, block: Block, round_: Round, threshold: int) -> bool:
+        """Add a round's tokens to the row's block; whether the row goes on building."""
+        schedule = self.schedules[row]
+        samples = self.verifier.samples
+        probs = round_.scores.softmax(-1) if samples or schedule.stops_per_token else None
+        before = block.size
+        kept = block.extend(round_.tokens, probs if samples else None)
+        if schedule.stops_per_token and self._stop_within(schedule, block, before, round_.tokens[:kept], probs[:kept]):
+            return False
+        return not block.closed and block.size < threshold
+
+    @staticmethod
+    def _stop_within(schedule, block: Block, before: int, tokens: torch.LongTensor, probs: torch.Tensor) -> bool:
         """Ask the schedule, token by token, whether to go on after each new token (its confidence:
         this level's probability of it); on the first no, end the block right after that token."""
         confidences = probs.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()
         for index, confidence in enumerate(confidences):
-            if not block.closed and not self.schedule.keep_drafting(confidence):
+            if not block.closed and not schedule.keep_drafting(confidence):
                 block.truncate(before + index + 1)
                 return True
         return False
 
-    def verified(self, kept: int, seconds: float) -> None:
-        self.schedule.observe_verification(self._proposed, kept, seconds)
-        self.rollback_to(self._start + kept)
+    def verified(self, kept: dict[int, int], seconds: float) -> None:
+        for row, count in kept.items():
+            self.schedules[row].observe_verification(self._proposed[row], count, seconds)
+        self.rollback_to({row: self._starts[row] + count for row, count in kept.items()})
 
-    def rollback_to(self, length: int) -> None:
-        self.verifier.rollback_to(length)
+    def rollback_to(self, lengths: dict[int, int]) -> None:
+        self.verifier.rollback_to(lengths)
 
     def commit(self) -> None:
         self.verifier.commit()
@@ -182,11 +204,28 @@ def level_names(target: torch.nn.Module, assistant_models: Sequence) -> list[str
     ]
 
 
+class BatchShare:
+    """A row's view of a verifier's costs while ``rows`` rows share each forward: a forward scoring
+    k tokens for each of n rows is priced as one of n k tokens (the machine reads the weights once
+    for all of them), split evenly, T(n k) / n. One row: the curve itself."""
+
+    def __init__(self, estimate, rows: int):
+        self.estimate, self.rows = estimate, rows
+
+    def seconds(self, tokens: float) -> float:
+        return self.estimate.seconds(self.rows * tokens) / self.rows
+
+    @property
+    def last_seconds(self) -> float | None:
+        last = self.estimate.last_seconds
+        return None if last is None else last / self.rows
+
+
 @dataclass
 class Chain:
     """A built chain: its top `Verifier` (the target), the call's statistics, and per level its
-    model runner (None for a `Drafter`), schedule (None for the target and a `Drafter`) and cost
-    estimate (None unless the schedule is cost-aware)."""
+    model runner (None for a `Drafter`), per-row schedules (None for the target) and cost estimate
+    (None unless the schedule is cost-aware)."""
 
     top: Verifier
     stats: PolybasicStats
@@ -197,11 +236,11 @@ class Chain:
     def finish(self, costs: CostCurves | None = None) -> PolybasicStats:
         """Fill in what the levels counted (forward passes, rounds sat out, forward costs) and let
         ``costs`` learn what the forwards of this call cost."""
-        for level, runner, schedule, estimate in zip(self.stats.levels, self.runners, self.schedules, self.estimates):
+        for level, runner, schedules, estimate in zip(self.stats.levels, self.runners, self.schedules, self.estimates):
             if runner is not None:
                 level.forward_passes = runner.forward_passes
-            if schedule is not None:
-                level.paused_rounds = schedule.paused_rounds
+            if schedules is not None:
+                level.paused_rounds = sum(schedule.paused_rounds for schedule in schedules.values())
             if estimate is not None:
                 level.forward_costs = estimate.snapshot()
                 if costs is not None:
@@ -213,25 +252,30 @@ def build_chain(
     target: torch.nn.Module,
     assistant_models: Sequence,
     config: PolybasicConfig,
-    rules: DecodingRules,
+    rules: dict[int, DecodingRules],
     target_cache,
     parts: ChainParts = ChainParts(),
     clock: Clock = DEFAULT_CLOCK,
     costs: CostCurves | None = None,
 ) -> Chain:
-    """The chain M1 > M2 > ... > Mn, with a fresh cache for every assistant model and the target's
-    ``target_cache`` (None when ``use_cache=False``). Under the cost-aware schedule every model's
-    cost curve comes from ``costs`` (measured on first use) and each schedule sees its parent's."""
+    """The chain M1 > M2 > ... > Mn for the rows of ``rules`` (row -> its `DecodingRules`), with a
+    fresh cache for every assistant model and the target's ``target_cache`` (None when
+    ``use_cache=False``). Under the cost-aware schedule every model's cost curve comes from ``costs``
+    (measured on first use), and each row's schedule prices its tokens with its parent's curve as the
+    rows share it (`BatchShare`)."""
+    rows = sorted(rules)
+    count = len(rows)
     names = level_names(target, assistant_models)
     roles = ["target"] + ["intermediate"] * (len(assistant_models) - 1) + ["drafter"]
     stats = PolybasicStats(levels=[LevelStats(name=name, role=role) for name, role in zip(names, roles)])
     vocab = target.config.get_text_config(decoder=True).vocab_size
     greedy_intermediates = config.verification == "greedy"
+    do_sample = rules[rows[0]].do_sample
     models = [target, *assistant_models]
-    runners = [CachedModel(target, target_cache, role=f"target {names[0]}", clock=clock)] + [
+    runners = [CachedModel(target, target_cache, role=f"target {names[0]}", clock=clock, rows=count)] + [
         None if isinstance(model, Drafter)
         else CachedModel(model, new_dynamic_cache(model), role=f"assistant_models[{i}] ({names[i + 1]})",
-                         vocab_limit=vocab, clock=clock)
+                         vocab_limit=vocab, clock=clock, rows=count)
         for i, model in enumerate(assistant_models)
     ]
     estimates = [None] * len(models)
@@ -240,39 +284,41 @@ def build_chain(
             curve = None if runner is None else costs.curve_for(models[index], clock, measure=config.measure_costs)
             if curve is not None:  # None: not stored and not to be measured; the schedule goes by the call's timings
                 estimates[index] = runner.cost_observer = CostEstimate(curve)
-    schedules = [None] * len(models)
+    shared = [None if estimate is None else BatchShare(estimate, count) for estimate in estimates]
 
+    def per_row(make):
+        return {row: make() for row in rows}
+
+    schedules = [None] * len(models)
     bottom = len(models) - 1
     if runners[bottom] is None:
         # a Drafter sets its own length; the cost-aware schedule caps it (and can sit it out) by how
         # often the level above accepts its drafts
-        schedule = None if config.schedule != "cost_aware" else make_schedule(
-            config.schedule, MAX_DRAFT_TOKENS, MAX_DRAFT_TOKENS, verifier_costs=estimates[bottom - 1]
-        )
-        schedules[bottom] = schedule
-        level = parts.drafter_level(models[bottom], rules, stats.levels[bottom], clock, schedule)
+        if config.schedule == "cost_aware":
+            schedules[bottom] = per_row(lambda: make_schedule(
+                config.schedule, MAX_DRAFT_TOKENS, MAX_DRAFT_TOKENS, verifier_costs=shared[bottom - 1]))
+        level = parts.drafter_level(models[bottom], rules, stats.levels[bottom], clock, schedules[bottom])
     else:
         own = estimates[bottom]
-        schedules[bottom] = make_schedule(
+        step = None if own is None else own.seconds(count) / count
+        schedules[bottom] = per_row(lambda: make_schedule(
             config.schedule, config.num_draft_tokens, MAX_DRAFT_TOKENS, per_token=True,
-            verifier_costs=estimates[bottom - 1], step_seconds=None if own is None else own.seconds(1),
-        )
+            verifier_costs=shared[bottom - 1], step_seconds=step))
         # below a greedy intermediate level, sampled drafts would only lower its acceptance
-        samples = rules.do_sample and not (greedy_intermediates and bottom > 1)
+        samples = do_sample and not (greedy_intermediates and bottom > 1)
         level = parts.model_drafter(runners[bottom], rules, stats.levels[bottom], schedules[bottom], samples, clock)
     added = int(isinstance(models[bottom], AddedPromptLookup))  # its level above has no mu of the caller's
     thresholds = config.thresholds_for(bottom - 1 - added) + (MAX_BLOCK_THRESHOLD,) * added
     for index in range(bottom - 1, 0, -1):  # intermediate levels, bottom-up
-        samples = rules.do_sample and not greedy_intermediates
+        samples = do_sample and not greedy_intermediates
         verifier = parts.verifier(runners[index], level, rules, stats.levels[index], samples, clock)
         # its T(1) is what a token costs until its rounds are timed (they may emit several per
         # forward, so it does not rule the level out up front)
         own = estimates[index]
-        schedules[index] = make_schedule(
+        step = None if own is None else own.seconds(count) / count
+        schedules[index] = per_row(lambda: make_schedule(
             config.schedule, thresholds[index - 1], MAX_BLOCK_THRESHOLD, per_token=True,
-            verifier_costs=estimates[index - 1], step_seconds=None if own is None else own.seconds(1),
-            static_check=False,
-        )
+            verifier_costs=shared[index - 1], step_seconds=step, static_check=False))
         level = parts.intermediate(verifier, schedules[index], clock)
-    top = parts.verifier(runners[0], level, rules, stats.levels[0], rules.do_sample, clock)
+    top = parts.verifier(runners[0], level, rules, stats.levels[0], do_sample, clock)
     return Chain(top, stats, runners, schedules, estimates)

@@ -17,7 +17,16 @@ import torch
 
 
 class Drafter(abc.ABC):
-    """A bottom level of a chain that is not a transformers model."""
+    """A bottom level of a chain that is not a transformers model.
+
+    Attributes:
+        stateless: True if `propose` depends on its arguments only (no state kept between calls,
+            `rollback_to` and `commit` do nothing): then one instance can serve every row of a
+            batch, which is decoded with shared forwards. False (the default): a batch is decoded
+            row by row.
+    """
+
+    stateless: bool = False
 
     @abc.abstractmethod
     def propose(self, sequence: torch.LongTensor, max_new_tokens: int) -> tuple[torch.LongTensor, torch.Tensor | None]:
@@ -49,6 +58,8 @@ class PromptLookup(Drafter):
     round; pays off on code editing, summarisation and retrieval-augmented prompts, where outputs
     copy from the input.
     """
+
+    stateless = True
 
     def __init__(self, max_ngram: int = 3, num_tokens: int = 8, min_ngram: int = 1):
         for name, value in (("max_ngram", max_ngram), ("num_tokens", num_tokens), ("min_ngram", min_ngram)):

@@ -22,63 +22,82 @@ PROBABILITY_SUM_TOLERANCE = 1e-3
 
 class ModelDrafter:
     """Drafts up to K tokens with a model, sampling from (or taking the argmax of) its processed
-    distribution; the schedule sets K and may stop a draft early, token by token.
+    distribution; each row's schedule sets its K and may stop its draft early, token by token.
+    Rows still drafting share one forward per step.
 
     ``samples=False`` drafts by argmax even when the target samples (below a level that verifies
-    greedily); the proposal is then a point mass.
+    greedily); the proposal is then a point mass. ``rules`` and ``schedules`` are per row.
     """
 
     def __init__(
         self,
         runner: CachedModel,
-        rules: DecodingRules,
+        rules: dict[int, DecodingRules],
         stats: LevelStats,
-        schedule: Schedule,
+        schedules: dict[int, Schedule],
         samples: bool,
         clock: Clock = DEFAULT_CLOCK,
     ):
-        self.runner, self.rules, self.stats, self.schedule = runner, rules, stats, schedule
+        self.runner, self.rules, self.stats, self.schedules = runner, rules, stats, schedules
         self.samples = samples
         self.clock = clock
-        self._start = 0
-        self._proposed = 0
+        self._starts: dict[int, int] = {}
+        self._proposed: dict[int, int] = {}
 
-    def propose(self, sequence: torch.LongTensor, budget: int) -> Proposal:
-        block = Block(self.rules.eos_token_ids, min(self.schedule.length(), budget), sequence.device)
-        self._start = sequence.shape[0]
-        stops_per_token = self.schedule.stops_per_token
-        catch_up = 0.0  # seconds spent feeding tokens decided while this level sat out
+    def propose(self, requests: dict[int, tuple[torch.LongTensor, int]]) -> dict[int, Proposal]:
+        blocks, drafting = {}, []
+        for row, (sequence, budget) in requests.items():
+            blocks[row] = Block(self.rules[row].eos_token_ids, min(self.schedules[row].length(), budget), sequence.device)
+            self._starts[row] = sequence.shape[0]
+            if not blocks[row].closed:
+                drafting.append(row)
+        catch_up = 0.0  # seconds spent feeding tokens decided while this level sat out or was rolled back
         with self.stats.timed(self.clock) as span:
-            while not block.closed:
-                grown = torch.cat([sequence, block.tokens])
-                behind = grown.shape[0] - self.runner.length
+            while drafting:
+                grown = {row: torch.cat([requests[row][0], blocks[row].tokens]) for row in drafting}
+                behind = max(grown[row].shape[0] - self.runner.lengths[row] for row in drafting)
                 with timed(self.clock) as forward:
-                    logits = self.runner.logits(grown, 1).to(sequence.device)  # [1, V]
+                    logits = self.runner.logits_rows({row: (grown[row], 1) for row in drafting})
                 if behind > 1:
                     catch_up += forward.seconds * (behind - 1) / behind
-                scores = process_positions(self.rules.processors, grown, grown.shape[0], logits)
-                probs = scores.softmax(-1) if self.samples or stops_per_token else None
-                token = torch.multinomial(probs, 1)[0] if self.samples else scores.argmax(-1)  # [1]
-                block.extend(token, self.proposal_probs(probs, logits) if self.samples else None)
-                # the token just drawn is kept whatever it is; only whether to draw another depends on it
-                if stops_per_token and not block.closed and not self.schedule.keep_drafting(float(probs[0, token])):
-                    break
-        proposal = block.proposal()
-        self._proposed = len(proposal)
-        self.schedule.observe_proposal(len(proposal), span.seconds - catch_up)
-        self.stats.proposed += len(proposal)
-        return proposal
+                drafting = [row for row in drafting if self._draft_one(row, grown[row], logits[row], blocks[row])]
+        self._observe(blocks, span.seconds - catch_up)
+        return {row: block.proposal() for row, block in blocks.items()}
+
+    def _draft_one(self, row: int, grown: torch.LongTensor, logits: torch.Tensor, block: Block) -> bool:
+        """Draw the row's next token into its block; whether the row drafts another."""
+        schedule = self.schedules[row]
+        stops_per_token = schedule.stops_per_token
+        logits = logits.to(grown.device)  # [1, V]
+        scores = process_positions(self.rules[row].processors, grown, grown.shape[0], logits)
+        probs = scores.softmax(-1) if self.samples or stops_per_token else None
+        token = torch.multinomial(probs, 1)[0] if self.samples else scores.argmax(-1)  # [1]
+        block.extend(token, self.proposal_probs(probs, logits) if self.samples else None)
+        # the token just drawn is kept whatever it is; only whether to draw another depends on it
+        if block.closed:
+            return False
+        return not stops_per_token or schedule.keep_drafting(float(probs[0, token]))
+
+    def _observe(self, blocks: dict[int, Block], seconds: float) -> None:
+        """Each row's schedule learns what its draft cost: the rows' shared seconds split by tokens."""
+        total = sum(block.size for block in blocks.values())
+        for row, block in blocks.items():
+            self._proposed[row] = block.size
+            share = seconds * block.size / total if total else 0.0
+            self.schedules[row].observe_proposal(block.size, share)
+            self.stats.proposed += block.size
 
     def proposal_probs(self, probs: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         """What is reported upward for a sampled token: the processed distribution it was drawn from."""
         return probs
 
-    def verified(self, kept: int, seconds: float) -> None:
-        self.schedule.observe_verification(self._proposed, kept, seconds)
-        self.rollback_to(self._start + kept)
+    def verified(self, kept: dict[int, int], seconds: float) -> None:
+        for row, count in kept.items():
+            self.schedules[row].observe_verification(self._proposed[row], count, seconds)
+        self.rollback_to({row: self._starts[row] + count for row, count in kept.items()})
 
-    def rollback_to(self, length: int) -> None:
-        self.runner.rollback_to(length)
+    def rollback_to(self, lengths: dict[int, int]) -> None:
+        self.runner.rollback_rows(lengths)
 
     def commit(self) -> None:
         self.runner.commit()
@@ -86,39 +105,45 @@ class ModelDrafter:
 
 class DrafterLevel:
     """Adapts a `Drafter` (the public, model-free interface) to the level protocol, checking what it
-    returns. A ``schedule`` (cost-aware) caps how many tokens it may propose, or sits it out
-    (0: the level above decodes alone) when its drafts do not pay; without one, the drafter's own
-    length holds."""
+    returns; it is asked for each row in turn. A row's ``schedule`` (cost-aware) caps how many tokens
+    it may propose, or sits it out (0: the level above decodes alone) when its drafts do not pay;
+    without one, the drafter's own length holds."""
 
-    def __init__(self, drafter: Drafter, rules: DecodingRules, stats: LevelStats, clock: Clock = DEFAULT_CLOCK,
-                 schedule: Schedule | None = None):
+    def __init__(self, drafter: Drafter, rules: dict[int, DecodingRules], stats: LevelStats,
+                 clock: Clock = DEFAULT_CLOCK, schedules: dict[int, Schedule] | None = None):
         self.drafter, self.rules, self.stats, self.clock = drafter, rules, stats, clock
-        self.schedule = schedule
-        self._start = 0
-        self._proposed = 0
+        self.schedules = schedules
+        self._starts: dict[int, int] = {}
+        self._proposed: dict[int, int] = {}
 
-    def propose(self, sequence: torch.LongTensor, budget: int) -> Proposal:
-        self._start = sequence.shape[0]
-        if self.schedule is not None:
-            budget = min(budget, self.schedule.length())
-        with self.stats.timed(self.clock) as span:
-            tokens, log_probs = self.drafter.propose(sequence.unsqueeze(0), budget)
-            check_drafter_output(type(self.drafter).__name__, tokens, log_probs, budget)
-            block = Block(self.rules.eos_token_ids, budget, sequence.device)
-            block.extend(tokens.to(sequence.device), None if log_probs is None else log_probs.exp())
-        self.stats.proposed += block.size
-        self._proposed = block.size
-        if self.schedule is not None:
-            self.schedule.observe_proposal(block.size, span.seconds)
-        return block.proposal()
+    def propose(self, requests: dict[int, tuple[torch.LongTensor, int]]) -> dict[int, Proposal]:
+        proposals = {}
+        for row, (sequence, budget) in requests.items():
+            self._starts[row] = sequence.shape[0]
+            schedule = None if self.schedules is None else self.schedules[row]
+            if schedule is not None:
+                budget = min(budget, schedule.length())
+            with self.stats.timed(self.clock) as span:
+                tokens, log_probs = self.drafter.propose(sequence.unsqueeze(0), budget)
+                check_drafter_output(type(self.drafter).__name__, tokens, log_probs, budget)
+                block = Block(self.rules[row].eos_token_ids, budget, sequence.device)
+                block.extend(tokens.to(sequence.device), None if log_probs is None else log_probs.exp())
+            self.stats.proposed += block.size
+            self._proposed[row] = block.size
+            if schedule is not None:
+                schedule.observe_proposal(block.size, span.seconds)
+            proposals[row] = block.proposal()
+        return proposals
 
-    def verified(self, kept: int, seconds: float) -> None:
-        if self.schedule is not None:
-            self.schedule.observe_verification(self._proposed, kept, seconds)
-        self.rollback_to(self._start + kept)
+    def verified(self, kept: dict[int, int], seconds: float) -> None:
+        for row, count in kept.items():
+            if self.schedules is not None:
+                self.schedules[row].observe_verification(self._proposed[row], count, seconds)
+        self.rollback_to({row: self._starts[row] + count for row, count in kept.items()})
 
-    def rollback_to(self, length: int) -> None:
-        self.drafter.rollback_to(length)
+    def rollback_to(self, lengths: dict[int, int]) -> None:
+        for length in lengths.values():  # a batchable Drafter keeps no state; one of one row does
+            self.drafter.rollback_to(length)
 
     def commit(self) -> None:
         self.drafter.commit()

@@ -18,12 +18,14 @@ import warnings
 
 import torch
 
+from . import four_bit
 from .drafters import Drafter, PromptLookup  # re-exported: every kind of level is reachable from here
+from .four_bit import FOUR_BIT_METHODS
 from .modules import replace_modules
 
 __all__ = ["Drafter", "PromptLookup", "early_exit", "quantized_copy"]
 
-QUANTIZATION_METHODS = ("bf16", "fp16", "int8-dynamic", "nf4")
+QUANTIZATION_METHODS = ("bf16", "fp16", "int8-dynamic", "int4", "nf4")
 
 
 def quantized_copy(target: torch.nn.Module, method: str = "int8-dynamic") -> torch.nn.Module:
@@ -38,19 +40,23 @@ def quantized_copy(target: torch.nn.Module, method: str = "int8-dynamic") -> tor
       ``torch.ao.quantization.quantize_dynamic``. That API is deprecated in favour of torchao,
       whose int8 weight-only path has no fast CPU kernel yet; it is wrapped here so the rest of
       the package does not depend on it.
-    - ``"nf4"``: 4-bit NormalFloat weights with bf16 compute through bitsandbytes, the 4-bit
-      path transformers maintains for CUDA (needs a CUDA GPU and ``pip install bitsandbytes``).
-      The target is saved to a temporary directory and reloaded quantized, so this needs disk
-      space for one fp checkpoint.
+    - ``"int4"``: 4-bit integer weights (groups of 128) with bf16 compute through torchao's CPU
+      kernel (`hf_polybasic.four_bit`; CPU only; ``pip install "hf_polybasic[quant4]"``).
+    - ``"nf4"``: 4-bit NormalFloat weights with bf16 compute through bitsandbytes: on the CPU
+      layer by layer (`hf_polybasic.four_bit`; fast where the CPU has AVX512-BF16); on a CUDA GPU
+      through transformers' ``BitsAndBytesConfig`` (the target is saved to a temporary directory
+      and reloaded quantized, so this needs disk space for one fp checkpoint).
 
-    GPTQ/AWQ/GGUF checkpoints that are already quantized load as ordinary transformers models and
-    can be passed in ``assistant_models`` directly (transformers 5 runs GPTQ through optimum +
-    gptqmodel; the unmaintained auto-gptq is no longer used).
+    The 4-bit copies keep the output layer in bf16 and run in bf16. GPTQ/AWQ/GGUF checkpoints that
+    are already quantized load as ordinary transformers models and can be passed in
+    ``assistant_models`` directly (docs: *Building levels*).
     """
     if method not in QUANTIZATION_METHODS:
         raise ValueError(f"quantized_copy: unknown method {method!r}; choose one of {QUANTIZATION_METHODS}")
-    if method == "nf4":
+    if method == "nf4" and next(target.parameters()).device.type == "cuda":
         return _nf4(target)
+    if method in FOUR_BIT_METHODS:
+        return _four_bit_copy(target, method)
     if method in ("bf16", "fp16"):
         return copy.deepcopy(target).to(torch.bfloat16 if method == "bf16" else torch.float16).eval()
     return _int8_dynamic_copy(target)
@@ -69,6 +75,50 @@ def _int8_dynamic_copy(source: torch.nn.Module) -> torch.nn.Module:
     clone = copy.deepcopy(source, memo=_linear_only_tensors(source))  # linear weights referenced, not copied
     quantize_linear_layers(clone)  # now the clone holds none of the source's tensors
     return clone.float().eval()
+
+
+def _four_bit_copy(source: torch.nn.Module, method: str) -> torch.nn.Module:
+    """A bf16 copy whose linear layers (all but the output layer) are 4-bit, built layer by layer
+    from the source's weights, holding none of the source's tensors."""
+    devices = {p.device.type for p in source.parameters()}
+    if devices != {"cpu"}:
+        raise ValueError(
+            f"quantized_copy(method={method!r}) on the CPU needs the model on the CPU; it is on {sorted(devices)}. "
+            "On a GPU use method='nf4' with the whole model on the GPU, or 'bf16'/'fp16'"
+        )
+    four_bit.require(method)  # a clear ImportError naming the extra, before anything is copied
+    clone = copy.deepcopy(source, memo=_linear_only_tensors(source))  # linear weights referenced, not copied
+    head = clone.get_output_embeddings() if hasattr(clone, "get_output_embeddings") else None
+
+    def convert(linear: torch.nn.Linear) -> torch.nn.Module:
+        if linear is head:
+            return _float_linear(linear, torch.bfloat16)
+        return four_bit.convert_linear(linear, method)
+
+    replace_modules(clone, torch.nn.Linear, convert)
+    four_bit_types = (four_bit.Int4Linear,) + ((four_bit.nf4_linear_type(),) if method == "nf4" else ())
+    for module in clone.modules():
+        if isinstance(module, four_bit_types):
+            continue
+        for name, tensor in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
+            if tensor.is_floating_point() and tensor.dtype != torch.bfloat16:
+                cast = tensor.detach().to(torch.bfloat16)
+                if isinstance(tensor, torch.nn.Parameter):
+                    setattr(module, name, torch.nn.Parameter(cast, requires_grad=False))
+                else:
+                    module._buffers[name] = cast
+    return clone.eval()
+
+
+def _float_linear(layer: torch.nn.Linear, dtype: torch.dtype) -> torch.nn.Linear:
+    """An ``nn.Linear`` in ``dtype`` with copies of ``layer``'s weights (no random initialisation first)."""
+    copied = torch.nn.utils.skip_init(torch.nn.Linear, layer.in_features, layer.out_features,
+                                      bias=layer.bias is not None, device=layer.weight.device, dtype=dtype)
+    with torch.no_grad():
+        copied.weight.copy_(layer.weight)
+        if layer.bias is not None:
+            copied.bias.copy_(layer.bias)
+    return copied.requires_grad_(False)
 
 
 def _linear_only_tensors(model: torch.nn.Module) -> dict[int, torch.Tensor]:
@@ -121,12 +171,7 @@ def quantize_linear_layers(model: torch.nn.Module, after_each=None) -> torch.nn.
 
 def _float32_linear(layer: torch.nn.Linear) -> torch.nn.Linear:
     """A float32 ``nn.Linear`` with ``layer``'s weights (no random initialisation first)."""
-    upcast = torch.nn.utils.skip_init(torch.nn.Linear, layer.in_features, layer.out_features,
-                                      bias=layer.bias is not None, device=layer.weight.device)
-    upcast.weight.copy_(layer.weight)
-    if layer.bias is not None:
-        upcast.bias.copy_(layer.bias)
-    return upcast
+    return _float_linear(layer, torch.float32)
 
 
 def _nf4(model: torch.nn.Module) -> torch.nn.Module:

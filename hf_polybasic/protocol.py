@@ -3,12 +3,13 @@
 A chain M1 > M2 > ... > Mn is a stack of levels; data flows one way, proposals up and rollbacks
 down. Every level below the target implements `Level`:
 
-* ``propose(sequence, budget) -> Proposal``: tokens to follow ``sequence`` (at most ``budget``);
-* ``verified(kept, seconds)``: the level above kept the first ``kept`` tokens of the last proposal
-  (its verification took ``seconds``); the level rolls itself and everything below back to them
-  and updates its own schedule;
-* ``rollback_to(length)`` / ``commit()``: forget tokens past ``length`` / everything so far is final
-  (the target verified it), here and below.
+* ``propose({row: (sequence, budget)}) -> {row: Proposal}``: tokens to follow each row's
+  ``sequence`` (at most its ``budget``); the rows share the level's forwards;
+* ``verified({row: kept}, seconds)``: the level above kept the first ``kept`` tokens of each row's
+  last proposal (its verification took ``seconds``); the level rolls itself and everything below
+  back to them and updates each row's schedule;
+* ``rollback_to({row: length})`` / ``commit()``: forget each row's tokens past ``length`` /
+  everything so far is final (the target verified it), here and below.
 
 Vocabulary (the same everywhere in the package):
 
@@ -112,14 +113,15 @@ class Block:
 
 
 class Level(Protocol):
-    """A level below the target (see the module docstring)."""
+    """A level below the target (see the module docstring), serving every row of a batch: requests
+    and answers are ``{row: ...}`` for the rows concerned."""
 
     stats: LevelStats
 
-    def propose(self, sequence: torch.LongTensor, budget: int) -> Proposal: ...
+    def propose(self, requests: dict[int, tuple[torch.LongTensor, int]]) -> dict[int, Proposal]: ...
 
-    def verified(self, kept: int, seconds: float) -> None: ...
+    def verified(self, kept: dict[int, int], seconds: float) -> None: ...
 
-    def rollback_to(self, length: int) -> None: ...
+    def rollback_to(self, lengths: dict[int, int]) -> None: ...
 
     def commit(self) -> None: ...

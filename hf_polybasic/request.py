@@ -42,6 +42,8 @@ class Request:
         streamer: `generate`'s streamer (batch size 1 only), or None.
         return_dict: return a `PolybasicGenerateOutput` instead of a tensor.
         keep_scores, keep_logits: collect the target's processed scores / raw logits per token.
+        repeats: how many rows each prompt was expanded to (``num_return_sequences``); consecutive
+            rows share a prompt.
     """
 
     assistants: list
@@ -57,6 +59,7 @@ class Request:
     return_dict: bool = False
     keep_scores: bool = False
     keep_logits: bool = False
+    repeats: int = 1
 
 
 def check_request(
@@ -125,6 +128,7 @@ def check_request(
         return_dict=return_dict,
         keep_scores=return_dict and bool(generation_config.output_scores),
         keep_logits=return_dict and bool(generation_config.output_logits),
+        repeats=max(int(generation_config.num_return_sequences or 1), 1),
     )
 
 

@@ -40,8 +40,8 @@ def _config(arch: str, vocab: int = VOCAB, layers: int = 2, sliding_window: int 
         eos_token_id=EOS,
         pad_token_id=PAD,
         tie_word_embeddings=tied,
-        **extra,
     )
+    common.update(extra)  # e.g. hidden_size=128 for 4-bit layers, which quantize groups of 128 features
     if arch == "llama":
         return LlamaForCausalLM, LlamaConfig(**common)
     if arch == "qwen2":

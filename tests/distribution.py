@@ -31,9 +31,10 @@ def build_models() -> tuple:
     return (target, *copies)
 
 
-def exact_joint(target, setting: str) -> np.ndarray:
-    """P(x1, x2, x3) under the target's processed distribution, from plain generate's own scores."""
-    ids = prompt(3, seed=5, vocab=VOCAB)
+def exact_joint(target, setting: str, ids=None) -> np.ndarray:
+    """P(x1, x2, x3) after ``ids`` (default: the tests' 3-token prompt) under the target's processed
+    distribution, from plain generate's own scores."""
+    ids = prompt(3, seed=5, vocab=VOCAB) if ids is None else ids
     options = SETTINGS[setting]
 
     def next_probs(prefix: tuple[int, ...]) -> np.ndarray:

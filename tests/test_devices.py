@@ -129,15 +129,6 @@ def test_nf4_copy_of_the_target_as_intermediate_on_gpu(fp32_chain):
     assert torch.equal(out, reference)
 
 
-def test_nf4_without_a_gpu_is_a_clear_error(fp32_chain):
-    from hf_polybasic.levels import quantized_copy
-
-    if torch.cuda.is_available():
-        pytest.skip("a GPU is present")
-    with pytest.raises(ValueError, match="needs a CUDA GPU"):
-        quantized_copy(fp32_chain[0], "nf4")
-
-
 @pytest.mark.cuda
 @needs_cuda
 def test_cpu_drafter_under_gpu_target_with_prefix_dependent_processors(fp32_chain):

@@ -326,9 +326,11 @@ class SittingOutDrafter(ModelDrafter):
 
     calls = 0
 
-    def propose(self, sequence, budget):
+    def propose(self, requests):
         SittingOutDrafter.calls += 1
-        return super().propose(sequence, 0 if SittingOutDrafter.calls % 2 else budget)
+        if SittingOutDrafter.calls % 2:
+            requests = {row: (sequence, 0) for row, (sequence, _) in requests.items()}
+        return super().propose(requests)
 
 
 def test_rounds_without_proposals_keep_the_target_distribution(distribution_models, exact_distribution):
@@ -344,12 +346,14 @@ class PeekingDrafter(ModelDrafter):
     """Chooses its length after drafting: drops a trailing draft whose own probability is low.
     (transformers' confidence stop keeps that token, which is why it stays exact.)"""
 
-    def propose(self, sequence, budget):
-        proposal = super().propose(sequence, budget)
-        tokens, probs = proposal.tokens, proposal.probs
-        while probs is not None and tokens.shape[0] and probs[-1, tokens[-1]] < 0.25:
-            tokens, probs = tokens[:-1], probs[:-1]
-        return Proposal(tokens, probs)
+    def propose(self, requests):
+        proposals = {}
+        for row, proposal in super().propose(requests).items():
+            tokens, probs = proposal.tokens, proposal.probs
+            while probs is not None and tokens.shape[0] and probs[-1, tokens[-1]] < 0.25:
+                tokens, probs = tokens[:-1], probs[:-1]
+            proposals[row] = Proposal(tokens, probs)
+        return proposals
 
 
 def test_negative_control_length_chosen_after_drafting_is_rejected(distribution_models, exact_distribution):
