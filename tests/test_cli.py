@@ -23,3 +23,15 @@ def test_models_list_names_every_model_with_its_state(capsys, tmp_path):
 def test_levels_on_tiny_models(capsys, tmp_path):
     assert cli.main(["levels", "--models", "tiny", "--k", "3", "--new-tokens", "8", "--repeats", "1"]) == 0
     assert "| target |" in capsys.readouterr().out
+
+
+def test_batches_command_on_tiny_models(capsys, tmp_path):
+    import json
+
+    assert cli.main(["batches", "--models", "tiny", "--batch-sizes", "1,3", "--max-new-tokens", "8", "--repeats", "1",
+                     "--output", str(tmp_path), "--no-progress"]) == 0
+    result = json.loads((tmp_path / "batches.json").read_text())
+    assert [row["batch"] for row in result["rows"]] == [1, 3]
+    assert all(row["rows_identical"] == f"{row['batch']}/{row['batch']}" for row in result["rows"])  # fp32: exact
+    assert result["rows"][1]["rows_per_target_forward"] > 1  # the batch shared its forwards
+    assert "| 3 |" in capsys.readouterr().out

@@ -37,7 +37,7 @@ def _models(args: argparse.Namespace) -> int:
 def _levels(args: argparse.Namespace) -> int:
     from .levels_table import run_levels_table
 
-    print(run_levels_table(args.models, args.k, args.new_tokens, args.stride, args.repeats, args.out))
+    print(run_levels_table(args.models, args.k, args.new_tokens, args.stride, args.repeats, args.out, tuple(args.only)))
     return 0
 
 
@@ -45,6 +45,18 @@ def _costs(args: argparse.Namespace) -> int:
     from .costs_table import run_costs_table
 
     print(run_costs_table(args.models, args.repeats, args.out, progress=not args.no_progress))
+    return 0
+
+
+def _batches(args: argparse.Namespace) -> int:
+    from .batch_bench import run_batches
+
+    sizes = [int(size) for size in args.batch_sizes.split(",")]
+    result = run_batches(args.models, args.target_dtype, args.pack_target, sizes, args.max_new_tokens, args.repeats,
+                         args.output, progress=not args.no_progress)
+    from .batch_bench import markdown
+
+    print(markdown(result))
     return 0
 
 
@@ -79,6 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
     levels.add_argument("--stride", type=int, default=8, help="draft every STRIDE positions of a continuation")
     levels.add_argument("--repeats", type=int, default=5, help="timed forward passes per cost (median)")
     levels.add_argument("--out", default=None, help="directory for levels_<models>.json and .md")
+    levels.add_argument("--only", action="append", default=[],
+                        help="measure only the candidates whose name contains this (repeatable), e.g. --only int4")
     levels.set_defaults(handler=_levels)
 
     costs = commands.add_parser("costs", help="measure T(k), the cost of a forward scoring k tokens, of each way "
@@ -88,6 +102,17 @@ def build_parser() -> argparse.ArgumentParser:
     costs.add_argument("--out", default=None, help="directory for costs_<models>_<machine class>.md and .json")
     costs.add_argument("--no-progress", action="store_true", help="no progress bar")
     costs.set_defaults(handler=_costs)
+
+    batches = commands.add_parser("batches", help="batched decoding, ours against plain batched generate, per batch size")
+    batches.add_argument("--models", choices=["qwen", "tiny"], default="qwen")
+    batches.add_argument("--target-dtype", choices=["fp32", "bf16"], default="bf16")
+    batches.add_argument("--pack-target", action="store_true", help="oneDNN-packed linear layers for the target")
+    batches.add_argument("--batch-sizes", default="1,2,4,8", help="comma-separated batch sizes (at most 8)")
+    batches.add_argument("--max-new-tokens", type=int, default=64)
+    batches.add_argument("--repeats", type=int, default=3, help="interleaved repeats; medians are reported")
+    batches.add_argument("--output", default=None, help="directory for batches.json and batches.md")
+    batches.add_argument("--no-progress", action="store_true", help="no progress bar")
+    batches.set_defaults(handler=_batches)
 
     add_bench_parser(commands)
     add_plan_parser(commands)

@@ -25,6 +25,7 @@ from tqdm.auto import tqdm
 
 from ..costs import forward_cost
 from ..drafters import Drafter, PromptLookup
+from .. import four_bit
 from ..levels import early_exit, quantized_copy
 
 
@@ -140,11 +141,17 @@ def qwen_candidates(target, small):
         ("0.5B bf16", lambda: quantized_copy(small, "bf16")),
         ("0.5B int8-dynamic", lambda: quantized_copy(small, "int8-dynamic")),
         ("PromptLookup(max_ngram=3, num_tokens=8)", lambda: PromptLookup(max_ngram=3, num_tokens=8)),
+    ] + [
+        (f"1.5B {method} copy ({library})", lambda method=method: quantized_copy(target, method))
+        for method, library in (("int4", "torchao"), ("nf4", "bitsandbytes"))
+        if four_bit.available(method)
     ]
 
 
-def run_levels_table(models_kind: str, k: int, new_tokens: int, stride: int, repeats: int, out) -> str:
-    """Build the cost/agreement table for the Qwen pair (or tiny random models) and write it."""
+def run_levels_table(models_kind: str, k: int, new_tokens: int, stride: int, repeats: int, out,
+                     only: tuple[str, ...] = ()) -> str:
+    """Build the cost/agreement table for the Qwen pair (or tiny random models) and write it;
+    ``only``: measure just the candidates whose name contains one of these strings."""
     if models_kind == "qwen":
         from . import models
 
@@ -168,6 +175,10 @@ def run_levels_table(models_kind: str, k: int, new_tokens: int, stride: int, rep
             ("noisy copy", lambda: noisy_copy(target, 0.2, seed=1)),
             ("PromptLookup(max_ngram=3, num_tokens=8)", lambda: PromptLookup(max_ngram=3, num_tokens=8)),
         ]
+    if only:
+        candidates = [(name, factory) for name, factory in candidates if any(part in name for part in only)]
+        if not candidates:
+            raise ValueError(f"--only {list(only)} matches no candidate")
     continuations = []
     for ids in tqdm(prompts, desc="target greedy continuations"):
         greedy = target.generate(
@@ -195,6 +206,7 @@ def run_levels_table(models_kind: str, k: int, new_tokens: int, stride: int, rep
             "k": k, "new_tokens": new_tokens, "stride": stride, "prompts": len(prompts),
             "rows": [row.to_dict() for row in rows],
         }
-        (out / f"levels_{models_kind}.json").write_text(json.dumps(record, indent=2) + "\n")
-        (out / f"levels_{models_kind}.md").write_text(table + "\n")
+        stem = f"levels_{models_kind}" + ("-" + "-".join(part.replace(" ", "_") for part in only) if only else "")
+        (out / f"{stem}.json").write_text(json.dumps(record, indent=2) + "\n")
+        (out / f"{stem}.md").write_text(table + "\n")
     return table

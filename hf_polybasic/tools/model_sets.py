@@ -51,12 +51,17 @@ class ModelSet:
 LABELS = {
     "tiny": {
         "mid": "tiny-mid (noise 0.05)",
+        "mid-nf4": "tiny-mid-nf4",
+        "mid-int4": "tiny-mid-int4",
         "draft": "tiny-draft-int8 (noise 0.2)",
         "draft-fp32": "tiny-draft-fp32 (noise 0.2)",
         "lookup": "lookup",
     },
-    "qwen": {"mid": "1.5B-int8", "draft": "0.5B-int8", "draft-fp32": "0.5B-fp32", "lookup": "lookup"},
+    "qwen": {"mid": "1.5B-int8", "mid-nf4": "1.5B-nf4", "mid-int4": "1.5B-int4", "draft": "0.5B-int8",
+             "draft-fp32": "0.5B-fp32", "lookup": "lookup"},
 }
+# pool entries that are copies of the target, and how each is made from an fp32 load of it
+TARGET_COPIES = {"mid": "int8-dynamic", "mid-nf4": "nf4", "mid-int4": "int4"}
 TINY_OPTIONS = {"eos_token_id": None}  # random models: every call generates the whole budget
 
 
@@ -74,7 +79,7 @@ def build_model_set(
         raise ValueError(f"target dtype must be one of {list(TARGET_DTYPES)}, got {target_dtype!r}")
     if models not in ("tiny", "qwen"):
         raise ValueError(f"--models must be 'tiny' or 'qwen', got {models!r}")
-    needs = {key for key in ("mid", "draft", "draft-fp32") if key in needs}
+    needs = {key for key in (*TARGET_COPIES, "draft", "draft-fp32") if key in needs}
     if pack_target:
         target_dtype_label = f"{target_dtype}, packed"
     else:
@@ -113,7 +118,8 @@ def _load_tiny(model_set: ModelSet, target_dtype: str) -> None:
     model_set.target = target.to(TARGET_DTYPES[target_dtype])
     model_set.tokenizer = make_tokenizer()
     model_set.context_length = target.config.max_position_embeddings
-    built = {"mid": lambda: mid, "draft": lambda: quantized_copy(draft, "int8-dynamic"), "draft-fp32": lambda: draft}
+    built = {"mid": lambda: mid, "draft": lambda: quantized_copy(draft, "int8-dynamic"), "draft-fp32": lambda: draft,
+             "mid-nf4": lambda: quantized_copy(target, "nf4"), "mid-int4": lambda: quantized_copy(target, "int4")}
     for key in model_set.pool:
         model_set.pool[key] = built[key]()
 
@@ -124,11 +130,12 @@ def _load_qwen(model_set: ModelSet, target_dtype: str, cache_dir) -> None:
     pool = model_set.pool
     # The int8 copies are made from fresh fp32 loads *before* the target is loaded, so that the
     # peak memory holds one fp32 1.5B and its copy, never two fp32 1.5Bs and a copy.
-    if "mid" in pool:
-        fresh, _ = models.load(QWEN_TARGET, dtype=torch.float32, cache_dir=cache_dir)
-        pool["mid"] = quantized_copy(fresh, "int8-dynamic")
-        del fresh
-        gc.collect()
+    for key, method in TARGET_COPIES.items():
+        if key in pool:
+            fresh, _ = models.load(QWEN_TARGET, dtype=torch.float32, cache_dir=cache_dir)
+            pool[key] = quantized_copy(fresh, method)
+            del fresh
+            gc.collect()
     if "draft" in pool or "draft-fp32" in pool:
         small, _ = models.load(QWEN_DRAFT, dtype=torch.float32, cache_dir=cache_dir)
         if "draft" in pool:
