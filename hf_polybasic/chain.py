@@ -33,7 +33,7 @@ from .drafters import AddedPromptLookup, Drafter
 from .drafting import DrafterLevel, ModelDrafter
 from .processing import DecodingRules, process_positions
 from .protocol import Block, Level, Proposal
-from .schedule import Schedule, make_schedule
+from .schedule import BatchGate, Schedule, make_schedule
 from .stats import LevelStats, PolybasicStats
 from .timing import DEFAULT_CLOCK, Clock, timed
 from .verify import greedy_verify, speculative_verify
@@ -84,7 +84,9 @@ class Verifier:
             for row, (sequence, _) in requests.items():
                 rounds[row], kept[row] = self._accept(row, sequence, proposals[row], candidates[row], logits[row])
             self.runner.rollback_rows({row: requests[row][0].shape[0] + count for row, count in kept.items()})
-        self.child.verified(kept, span.seconds)
+        # each row's share of the forward the rows shared, split evenly as `BatchShare` prices it (the
+        # whole forward's seconds would make every row's overhead look like the other rows' work)
+        self.child.verified(kept, span.seconds / len(kept))
         return rounds
 
     def _accept(self, row, sequence, proposal, candidates, logits) -> tuple[Round, int]:
@@ -225,13 +227,14 @@ class BatchShare:
 class Chain:
     """A built chain: its top `Verifier` (the target), the call's statistics, and per level its
     model runner (None for a `Drafter`), per-row schedules (None for the target) and cost estimate
-    (None unless the schedule is cost-aware)."""
+    (None unless the schedule is cost-aware); for a batch under the cost-aware schedule, its `BatchGate`."""
 
     top: Verifier
     stats: PolybasicStats
     runners: list
     schedules: list
     estimates: list
+    gate: BatchGate | None = None  # a batch's: whether the level under the target proposes at all
 
     def finish(self, costs: CostCurves | None = None) -> PolybasicStats:
         """Fill in what the levels counted (forward passes, rounds sat out, forward costs) and let
@@ -285,6 +288,8 @@ def build_chain(
             if curve is not None:  # None: not stored and not to be measured; the schedule goes by the call's timings
                 estimates[index] = runner.cost_observer = CostEstimate(curve)
     shared = [None if estimate is None else BatchShare(estimate, count) for estimate in estimates]
+    # rows of a batch: whether the level under the target proposes at all is the batch's decision
+    gate = BatchGate(count, estimates[0], estimates[1]) if count > 1 and config.schedule == "cost_aware" else None
 
     def per_row(make):
         return {row: make() for row in rows}
@@ -296,14 +301,15 @@ def build_chain(
         # often the level above accepts its drafts
         if config.schedule == "cost_aware":
             schedules[bottom] = per_row(lambda: make_schedule(
-                config.schedule, MAX_DRAFT_TOKENS, MAX_DRAFT_TOKENS, verifier_costs=shared[bottom - 1]))
+                config.schedule, MAX_DRAFT_TOKENS, MAX_DRAFT_TOKENS, verifier_costs=shared[bottom - 1],
+                gate=gate if bottom == 1 else None))
         level = parts.drafter_level(models[bottom], rules, stats.levels[bottom], clock, schedules[bottom])
     else:
         own = estimates[bottom]
         step = None if own is None else own.seconds(count) / count
         schedules[bottom] = per_row(lambda: make_schedule(
             config.schedule, config.num_draft_tokens, MAX_DRAFT_TOKENS, per_token=True,
-            verifier_costs=shared[bottom - 1], step_seconds=step))
+            verifier_costs=shared[bottom - 1], step_seconds=step, gate=gate if bottom == 1 else None))
         # below a greedy intermediate level, sampled drafts would only lower its acceptance
         samples = do_sample and not (greedy_intermediates and bottom > 1)
         level = parts.model_drafter(runners[bottom], rules, stats.levels[bottom], schedules[bottom], samples, clock)
@@ -318,7 +324,8 @@ def build_chain(
         step = None if own is None else own.seconds(count) / count
         schedules[index] = per_row(lambda: make_schedule(
             config.schedule, thresholds[index - 1], MAX_BLOCK_THRESHOLD, per_token=True,
-            verifier_costs=shared[index - 1], step_seconds=step, static_check=False))
+            verifier_costs=shared[index - 1], step_seconds=step, static_check=False,
+            gate=gate if index == 1 else None))
         level = parts.intermediate(verifier, schedules[index], clock)
     top = parts.verifier(runners[0], level, rules, stats.levels[0], do_sample, clock)
-    return Chain(top, stats, runners, schedules, estimates)
+    return Chain(top, stats, runners, schedules, estimates, gate)

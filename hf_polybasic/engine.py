@@ -28,6 +28,7 @@ from .costs import CostCurves
 from .drafters import Drafter
 from .processing import DecodingRules, processors_for_row
 from .request import Request
+from .schedule import BatchGate
 from .stats import PolybasicStats
 from .timing import DEFAULT_CLOCK, Clock, timed
 from .vocabulary import warn_if_levels_disagree
@@ -48,13 +49,17 @@ def decode(
     max_lengths: dict[int, int],
     stopping_criteria: StoppingCriteriaList,
     request: Request,
+    gate: BatchGate | None = None,
+    clock: Clock = DEFAULT_CLOCK,
 ) -> dict[int, RowResult]:
     """Generate after each row's prompt ``[L]`` until a stopping criterion fires or its
-    ``max_length`` tokens; the rows share every round."""
+    ``max_length`` tokens; the rows share every round. ``gate`` (a batch's) learns what each round
+    yielded and took."""
     sequences = dict(prompts)
     results = {row: RowResult(tokens=prompt.new_empty(0)) for row, prompt in prompts.items()}
     finished: set[int] = set()
     while live := [row for row in prompts if row not in finished and sequences[row].shape[0] < max_lengths[row]]:
+        started = clock()
         rounds = top.verify({row: (sequences[row], max_lengths[row] - sequences[row].shape[0]) for row in live})
         kept = {}
         for row, round_ in rounds.items():
@@ -77,6 +82,8 @@ def decode(
                 results[row].scores.extend(round_.scores[: kept[row]].unbind(0))
             if request.keep_logits:
                 results[row].logits.extend(round_.logits[: kept[row]].unbind(0))
+        if gate is not None:
+            gate.observe_round(sum(kept.values()), clock() - started, len(live))
     for row, prompt in prompts.items():
         results[row].tokens = sequences[row][prompt.shape[0] :]
     return results
@@ -161,7 +168,7 @@ def _decode_group(target, request, processors, stopping_criteria, parts, clock, 
             for runner in chain.runners:  # num_return_sequences: each prompt is computed once
                 if runner is not None:
                     runner.prefill_repeated(prompts, request.repeats)
-        decoded = decode(chain.top, prompts, max_lengths, stopping_criteria, request)
+        decoded = decode(chain.top, prompts, max_lengths, stopping_criteria, request, chain.gate, clock)
     stats = chain.finish(costs)
     for index, row in enumerate(group):
         results[row] = decoded[index]

@@ -71,7 +71,8 @@ def nf4_linear(linear: torch.nn.Linear, quant_type: str = "nf4") -> torch.nn.Mod
     weight = bnb.nn.Params4bit(linear.weight.detach().to(torch.bfloat16).contiguous(), requires_grad=False,
                                quant_type=quant_type, blocksize=NF4_BLOCK_SIZE)
     layer.weight = weight._quantize("cpu")
-    if linear.out_features % 32:  # its fused CPU kernel takes blocks of 32 outputs; dequantize instead
+    if linear.out_features % 32 or linear.in_features % NF4_BLOCK_SIZE:
+        # its fused CPU kernel takes blocks of 32 outputs and whole blocks of inputs; dequantize instead
         layer.support_avx512bf16_for_cpu = False
     if linear.bias is not None:
         layer.bias = torch.nn.Parameter(linear.bias.detach().to(torch.bfloat16).clone(), requires_grad=False)

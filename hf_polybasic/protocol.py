@@ -6,7 +6,7 @@ down. Every level below the target implements `Level`:
 * ``propose({row: (sequence, budget)}) -> {row: Proposal}``: tokens to follow each row's
   ``sequence`` (at most its ``budget``); the rows share the level's forwards;
 * ``verified({row: kept}, seconds)``: the level above kept the first ``kept`` tokens of each row's
-  last proposal (its verification took ``seconds``); the level rolls itself and everything below
+  last proposal (each row's share of the verification took ``seconds``); the level rolls itself and everything below
   back to them and updates each row's schedule;
 * ``rollback_to({row: length})`` / ``commit()``: forget each row's tokens past ``length`` /
   everything so far is final (the target verified it), here and below.

@@ -141,11 +141,13 @@ class SimulatedClock:
         self.now += seconds
 
     def charge(self, model, cost):
-        """Charge ``cost(tokens)`` seconds per forward of ``model``; returns the hook's handle."""
+        """Charge ``cost(tokens)`` seconds per forward of ``model``, ``tokens`` being every token it
+        is fed (all rows of a batch: a forward of n rows of k tokens costs what one of n k does, as
+        on a machine whose forwards are bound by their arithmetic); returns the hook's handle."""
 
         def hook(module, args, kwargs):
             ids = kwargs.get("input_ids", args[0] if args else None)
-            self.advance(cost(int(ids.shape[-1])))
+            self.advance(cost(int(ids.numel())))
 
         return model.register_forward_pre_hook(hook, with_kwargs=True)
 
@@ -156,13 +158,15 @@ def simulated_machine(costs: Mapping[torch.nn.Module, Callable[[int], float]]) -
     runs on a `SimulatedClock` charging ``cost(tokens)`` seconds per forward of each model, with cost
     curves measured on that clock and kept in memory only. Tests of the cost-aware schedule use it
     to make drafting pay (or not) whatever machine they run on; the hooks are removed on exit."""
-    from .costs import CostCurves
+    from .costs import CostCurves, cost_key
     from .integration import make_generate
 
     clock = SimulatedClock()
     handles = [clock.charge(model, cost) for model, cost in costs.items()]
     try:
-        yield make_generate(clock=clock, costs=CostCurves(directory=None))
+        # each model object has its own cost here, even models of one configuration
+        curves = CostCurves(directory=None, key=lambda model: f"{cost_key(model)}-{id(model)}")
+        yield make_generate(clock=clock, costs=curves)
     finally:
         for handle in handles:
             handle.remove()

@@ -128,3 +128,29 @@ def test_negative_control_a_lossy_drafter_in_a_batch_is_caught(distribution_mode
                                                    schedule="constant")
     assert_every_level_took_part(stats)
     assert max(_p_values(target, outcomes, prompts)) < ALPHA
+
+
+@pytest.mark.parametrize("pays", [False, True])
+def test_the_default_schedule_decides_for_the_batch_whether_drafting_pays(pays, shared_models):
+    """Costs by every token a forward is fed (all rows): where verifying k tokens of 4 rows costs
+    4 k steps no draft pays and the batch decodes plainly, without the drafter ever running; where
+    the target's forward is flat, the rows draft."""
+    from hf_polybasic.testing import cheap_drafting_costs, simulated_machine
+
+    target, draft = shared_models.chain("llama", 2, seed=73)
+    if pays:
+        costs = cheap_drafting_costs(target, [draft])
+    else:
+        costs = {target: lambda tokens: 0.01 * tokens, draft: lambda tokens: 0.005 * tokens}
+    ids, mask = left_padded([prompt(n, seed=n)[0] for n in (5, 7, 6, 9)])
+    options = dict(do_sample=False, max_new_tokens=12, eos_token_id=None, pad_token_id=PAD)
+    with simulated_machine(costs) as generate:
+        out = target.generate(ids, attention_mask=mask, custom_generate=generate, assistant_models=[draft],
+                              return_dict_in_generate=True, **options)
+    assert torch.equal(out.sequences, target.generate(ids, attention_mask=mask, **options))
+    stats = out.polybasic_stats
+    if pays:
+        assert_every_level_took_part(stats, rejections=False, acceptances=False)
+    else:
+        assert stats.levels[1].forward_passes == 0 and stats.levels[0].drafted == 0
+        assert stats.levels[1].paused_rounds == 4 * 12  # every row, every round

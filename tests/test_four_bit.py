@@ -84,3 +84,19 @@ def test_missing_libraries_and_bad_shapes_are_clear_errors(monkeypatch):
     for method in four_bit.FOUR_BIT_METHODS:
         with pytest.raises(ImportError, match=r'hf_polybasic\[quant4\]'):
             quantized_copy(target, method)
+
+
+@pytest.mark.skipif(not four_bit.available("nf4"), reason="nf4: bitsandbytes not installed")
+def test_the_planner_can_place_a_4_bit_copy_of_the_target():
+    from hf_polybasic.tools.model_sets import build_pool
+
+    pool = build_pool("tiny", early_exit_layers=0, four_bit=("nf4",))
+    copy = pool.candidates["tiny-mid-nf4"]
+    assert "Linear4bit" in {type(m).__name__ for m in copy.modules()}
+    measured = hp.profile(pool.target, pool.candidates, pool.tokenizer, [prompt(8, seed=3)], do_sample=False,
+                          max_new_tokens=8, repeats=1, progress=False, generate_kwargs=pool.generate_options)
+    assert "tiny-mid-nf4" in measured.order
+    the_plan = hp.plan(measured)
+    assert any("tiny-mid-nf4" in prediction.chain for prediction in the_plan.ranking)
+    with pytest.raises(ValueError, match="--four-bit takes 'nf4' or 'int4'"):
+        build_pool("tiny", four_bit=("int3",))

@@ -338,12 +338,15 @@ def test_pipeline_with_enabled_model_and_batch_size_two(enabled):
     target, assistants = enabled
     tokenizer = make_tokenizer()
     pipe = pipeline("text-generation", model=target, tokenizer=tokenizer)
-    prompts = ["hello", "ab", "world!"]
+    prompts = ["hello", "ab", "world!", "xyz"]
     options = dict(do_sample=False, max_new_tokens=8, eos_token_id=None, return_full_text=False)
     plain = [pipe(p, **options)[0]["generated_text"] for p in prompts]
     batched = pipe(prompts, batch_size=2, assistant_models=assistants, polybasic_config=CONFIG, **options)
     assert [r[0]["generated_text"] for r in batched] == plain
     assert_chain_ran(target)  # the last batch of the pipeline went through the chain
+    top = hp.last_stats(target).levels[0]
+    # its two rows shared target forwards (row by row, each row's prefill is a forward of its own: V <= F - 2)
+    assert top.verifications >= top.forward_passes
 
 
 def test_pipeline_without_enable_through_custom_generate(chain):

@@ -146,7 +146,10 @@ def test_the_costs_command_measures_every_variant_and_writes_its_table(tmp_path)
 
     text = run_costs_table("tiny", repeats=1, out=str(tmp_path), progress=False)
     rows = [line for line in text.splitlines() if line.startswith("| tiny")]
-    assert [row.split(" | ")[0] for row in rows] == ["| tiny fp32", "| tiny bf16", "| tiny int8-dynamic"]
+    from hf_polybasic import four_bit
+
+    expected = ["| tiny fp32", "| tiny bf16", "| tiny int8-dynamic"] + ["| tiny nf4"] * four_bit.available("nf4")
+    assert [row.split(" | ")[0] for row in rows] == expected
     assert "T(16)/T(1)" in text and "Machine:" in text
     written = sorted(path.suffix for path in tmp_path.iterdir())
     assert written == [".json", ".md"]

@@ -30,6 +30,7 @@ from hf_polybasic.schedule import (
     SAFETY_MARGIN,
     SAFETY_ROUNDS,
     WARMUP_ROUNDS,
+    BatchGate,
     ConfidenceCalibration,
     ConstantSchedule,
     CostAwareSchedule,
@@ -397,3 +398,40 @@ def test_an_intermediate_level_prices_its_tokens_by_its_own_step_until_its_round
     steep = make_schedule("cost_aware", 8, 32, per_token=True, verifier_costs=Curve(lambda k: 0.1 * k),
                           step_seconds=0.05, static_check=False)
     assert steep.length() == 32
+
+
+# --- a batch as a whole -----------------------------------------------------------------------------
+def _estimate(cost):
+    from hf_polybasic.costs import CostCurve, CostEstimate
+
+    return CostEstimate(CostCurve(points={k: cost(k) for k in (1, 2, 4, 8, 16)}))
+
+
+def test_the_batch_gate_prices_a_batch_up_front_from_the_curves():
+    from hf_polybasic.schedule.batch_gate import proposing_can_pay
+
+    flat, linear, drafter = _estimate(lambda k: 0.1), _estimate(lambda k: 0.1 * k), _estimate(lambda k: 0.01)
+    # memory-bound: four rows of several tokens for the price of one step; compute-bound: no draft pays
+    assert proposing_can_pay(4, flat, drafter) and not proposing_can_pay(4, linear, drafter)
+    # a machine that is flat up to 8 tokens: 2 rows can verify drafts for free, 8 rows cannot
+    knee = _estimate(lambda k: 0.1 * max(1.0, k / 8))
+    assert proposing_can_pay(2, knee, drafter) and not proposing_can_pay(8, knee, drafter)
+    assert BatchGate(4, linear, drafter).paused and not BatchGate(4, flat, drafter).paused
+
+
+def test_the_batch_gate_backs_off_when_the_batchs_rounds_lose_by_the_clock():
+    from hf_polybasic.schedule.batch_gate import WINDOW
+
+    gate = BatchGate(4, _estimate(lambda k: 0.1))  # plain priced at 4 tokens per 0.1 s
+    gate.observe_round(20, 9.0, 4)  # the prefill: not judged
+    for _ in range(WINDOW):
+        assert not gate.paused
+        gate.observe_round(8, 0.3, 4)  # 26.7 tokens/s against 40 for plain batched decoding
+    assert gate.paused
+    for _ in range(FIRST_BACKOFF_ROUNDS):  # sat out: plain rounds, timed (20 tokens/s, slower than priced)
+        gate.observe_round(4, 0.2, 4)
+    assert not gate.paused and gate.backoff.paused_rounds == FIRST_BACKOFF_ROUNDS
+    assert gate.plain_rate(4) == pytest.approx(20.0)
+    for _ in range(WINDOW):  # the same rounds now beat the plain rounds this call timed
+        gate.observe_round(8, 0.3, 4)
+    assert not gate.paused and gate.backoff.stretch == FIRST_BACKOFF_ROUNDS

@@ -58,15 +58,20 @@ class CostCurves:
         directory: where curves are kept as JSON (None: memory only; the default: `default_directory`,
             read when first needed).
         measure: how a missing curve is measured (`hf_polybasic.costs.measure_curve`).
+        key: which models share a curve (`cost_key`: models of one architecture, size, dtype and
+            kind of layers, on one machine; a simulated machine that charges each model object its
+            own cost keys them by object).
     """
 
     def __init__(
         self,
         directory: Path | str | None | object = DEFAULT_DIRECTORY,
         measure: Callable[..., CostCurve] = measure_curve,
+        key: Callable[[torch.nn.Module], str] | None = None,
     ):
         self._directory = directory
         self.measure = measure
+        self._key = key or cost_key
         self._curves: dict[str, CostCurve] = {}
         self._locks: dict[str, threading.Lock] = {}
         self._guard = threading.Lock()  # held only to look up or add a key's lock
@@ -92,7 +97,7 @@ class CostCurves:
         """The curve of ``model`` on this machine: from memory, else from disk, else measured now
         (only this model's key is locked meanwhile). None when there is none and measuring is off
         (``measure=False`` or ``$HF_POLYBASIC_MEASURE_COSTS=0``)."""
-        key = cost_key(model)
+        key = self._key(model)
         with self._lock(key):
             if key in self._curves:
                 return self._curves[key]
@@ -112,7 +117,7 @@ class CostCurves:
         starts from today's costs."""
         if estimate.observed == 0:
             return
-        key = cost_key(model)
+        key = self._key(model)
         with self._lock(key):
             curve = self._curves.get(key)
             if curve is None or curve is not estimate.curve:

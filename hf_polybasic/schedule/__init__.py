@@ -15,7 +15,9 @@ A schedule belongs to a proposing level (the child). The child asks `length` bef
   (see `hf_polybasic.schedule.cost_aware`).
 
 The pure math (expected tokens, the best length, the acceptance estimate) is in `rates`, the
-confidence-to-acceptance curves in `calibration`, the pause / probe states in `backoff`.
+confidence-to-acceptance curves in `calibration`, the pause / probe states in `backoff`, and the
+back-off of a batch as a whole (its rows share every forward, so whether proposing pays is decided
+for all of them, by the clock) in `batch_gate`.
 
 Why every schedule is lossless: the length is chosen from the past only (acceptance counts,
 timings, and the tokens already drafted, which are all kept), never by dropping a drawn token, and
@@ -27,6 +29,7 @@ from __future__ import annotations
 from typing import Protocol
 
 from .backoff import FIRST_BACKOFF_ROUNDS, MAX_BACKOFF_ROUNDS, PROBE_ROUNDS, BackOff
+from .batch_gate import BatchGate
 from .calibration import ConfidenceCalibration
 from .cost_aware import RESET_MARGIN, SAFETY_MARGIN, SAFETY_ROUNDS, WARMUP_ROUNDS, CostAwareSchedule
 from .fixed import ConstantSchedule, HeuristicSchedule
@@ -52,18 +55,18 @@ class Schedule(Protocol):
 
 def make_schedule(
     kind: str, initial: int, maximum: int, per_token: bool = False, verifier_costs=None,
-    step_seconds: float | None = None, static_check: bool = True,
+    step_seconds: float | None = None, static_check: bool = True, gate: BatchGate | None = None,
 ) -> Schedule:
     """The schedule of one level: ``kind`` is one of `SCHEDULES`; ``initial`` the configured K or
     mu, ``maximum`` the longest proposal a varying schedule makes; ``per_token``: the level proposes
     token by token with confidences (a model level). ``verifier_costs`` / ``step_seconds`` /
-    ``static_check``: see `CostAwareSchedule`."""
+    ``static_check`` / ``gate``: see `CostAwareSchedule`."""
     if kind == "constant":
         return ConstantSchedule(initial)
     if kind == "heuristic":
         return HeuristicSchedule(initial, maximum)
     if kind == "cost_aware":
-        return CostAwareSchedule(initial, maximum, per_token, verifier_costs, step_seconds, static_check)
+        return CostAwareSchedule(initial, maximum, per_token, verifier_costs, step_seconds, static_check, gate)
     raise ValueError(f"schedule must be one of {SCHEDULES}, got {kind!r}")
 
 
@@ -78,6 +81,7 @@ __all__ = [
     "SCHEDULES",
     "WARMUP_ROUNDS",
     "BackOff",
+    "BatchGate",
     "ConfidenceCalibration",
     "ConstantSchedule",
     "CostAwareSchedule",

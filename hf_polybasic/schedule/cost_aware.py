@@ -34,7 +34,10 @@ not bit-reproducible from a seed.
 
 from __future__ import annotations
 
+from typing import Protocol
+
 from .backoff import MAX_BACKOFF_ROUNDS, BackOff
+from .batch_gate import BatchGate
 from .calibration import ConfidenceCalibration
 from .rates import acceptance_rate_estimate, best_length, decayed, worth_one_more
 
@@ -49,6 +52,15 @@ SAFETY_ROUNDS = 8
 SAFETY_MARGIN = 0.8
 # a probe after which proposing pays by this margin resets the back-off stretch
 RESET_MARGIN = 1.1
+
+
+class VerifierCosts(Protocol):
+    """The parent's forward cost as a schedule sees it (`hf_polybasic.costs.CostEstimate`, or a
+    row's share of one, `hf_polybasic.chain.BatchShare`)."""
+
+    last_seconds: float | None
+
+    def seconds(self, tokens: float) -> float: ...
 
 
 class CostAwareSchedule:
@@ -66,14 +78,18 @@ class CostAwareSchedule:
             T(1)); used until its own proposals have been timed, and, with ``static_check``, to back
             off at once when not even perfect acceptance could pay (an intermediate level, which
             may emit several tokens per forward, only knows its cost per token from its rounds).
+        gate: the batch's `BatchGate` (rows of a batch, level under the target): while it is
+            paused the level proposes nothing, whatever its own estimates say.
     """
 
-    def __init__(self, initial: int, maximum: int, per_token: bool = False, verifier_costs=None,
-                 step_seconds: float | None = None, static_check: bool = True):
+    def __init__(self, initial: int, maximum: int, per_token: bool = False, verifier_costs: VerifierCosts | None = None,
+                 step_seconds: float | None = None, static_check: bool = True, gate: BatchGate | None = None):
         self.initial, self.maximum = initial, max(maximum, initial)
         self.per_token = per_token
         self.verifier_costs, self.step_seconds = verifier_costs, step_seconds
         self.static_check = static_check
+        self.gate = gate
+        self._gated_rounds = 0  # rounds the batch's gate sat this row out
         self.current = self.maximum if per_token else initial
         self.rounds = 0
         self.calibration = ConfidenceCalibration()
@@ -97,7 +113,7 @@ class CostAwareSchedule:
 
     @property
     def paused_rounds(self) -> int:
-        return self.backoff.paused_rounds
+        return self.backoff.paused_rounds + self._gated_rounds
 
     def length(self) -> int:
         """Tokens to propose in the next round (0: let the parent decode alone)."""
@@ -106,6 +122,9 @@ class CostAwareSchedule:
             if self._proposing_cannot_pay():
                 self.backoff.pause(MAX_BACKOFF_ROUNDS // 2)
         if self.backoff.paused:
+            return 0
+        if self.gate is not None and self.gate.paused:
+            self._gated_rounds += 1
             return 0
         if not self.backoff.probing and self.rounds >= WARMUP_ROUNDS and not self.first_token_pays():
             self.backoff.pause()

@@ -2,7 +2,7 @@
 
 One row per way the chain's models can run here (the target in float32 and bfloat16, each with and
 without oneDNN-packed linear layers where this machine packs that dtype; the int8 copies of the
-target and of the 0.5B): the median seconds of one forward scoring k new tokens after a 64-token
+target and of the 0.5B; the target's 4-bit copies where the ``quant4`` extra is installed): the median seconds of one forward scoring k new tokens after a 64-token
 context (`hf_polybasic.costs.measure_curve`, the same measurement the cost-aware schedule uses),
 and T(k)/T(1), what a verification of k tokens costs in decoding steps. Models are loaded one at a
 time (`hf_polybasic.tools.loading`), so the peak memory is that of the largest.
@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from .. import compat, hardware
+from .. import compat, four_bit, hardware
 from ..costs import MEASURED_TOKENS, CostCurve, measure_curve
 from . import loading
 from .model_sets import QWEN_DRAFT, QWEN_TARGET
@@ -40,8 +40,17 @@ def qwen_variants() -> dict[str, Callable[[], torch.nn.Module]]:
         if compat.onednn_supports(dtype):
             variants[f"1.5B {name} packed"] = target(dtype, True)
     variants["1.5B int8-dynamic"] = lambda: loading.load_int8(QWEN_TARGET)
+    for method in four_bit.FOUR_BIT_METHODS:
+        if four_bit.available(method):
+            variants[f"1.5B {method}"] = _four_bit_copy_of(lambda: loading.load(QWEN_TARGET, torch.float32)[0], method)
     variants["0.5B int8-dynamic"] = lambda: loading.load_int8(QWEN_DRAFT)
     return variants
+
+
+def _four_bit_copy_of(load: Callable[[], torch.nn.Module], method: str) -> Callable[[], torch.nn.Module]:
+    from ..levels import quantized_copy
+
+    return lambda: quantized_copy(load(), method)
 
 
 def tiny_variants() -> dict[str, Callable[[], torch.nn.Module]]:
@@ -49,11 +58,14 @@ def tiny_variants() -> dict[str, Callable[[], torch.nn.Module]]:
     from ..levels import quantized_copy
     from ..testing import make_target
 
-    return {
+    variants = {
         "tiny fp32": lambda: make_target("qwen2"),
         "tiny bf16": lambda: make_target("qwen2").to(torch.bfloat16),
         "tiny int8-dynamic": lambda: quantized_copy(make_target("qwen2"), "int8-dynamic"),
     }
+    if four_bit.available("nf4"):  # the tiny model's 32 input features cannot form int4's groups of 128
+        variants["tiny nf4"] = _four_bit_copy_of(lambda: make_target("qwen2"), "nf4")
+    return variants
 
 
 def measure_variants(

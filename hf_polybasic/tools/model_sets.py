@@ -167,18 +167,24 @@ class Pool:
 
 
 def build_pool(
-    models: str, target_dtype: str | None = None, early_exit_layers: int | None = None, cache_dir=None
+    models: str, target_dtype: str | None = None, early_exit_layers: int | None = None, cache_dir=None,
+    four_bit: tuple[str, ...] = (),
 ) -> Pool:
     """The model set for ``models`` ("qwen" or "tiny") plus an early exit and PromptLookup.
 
     ``early_exit_layers``: layers of the target's early-exit view (default 14 for qwen, 1 for tiny;
-    0 leaves it out).
+    0 leaves it out). ``four_bit``: 4-bit copies of the target to add ("nf4", "int4"; the
+    ``quant4`` extra), so that the planner can place the paper's middle level.
     """
     if models not in DEFAULT_DTYPE:
         raise ValueError(f"--models must be one of {list(DEFAULT_DTYPE)}, got {models!r}")
-    model_set = build_model_set(models, {"mid", "draft"}, target_dtype or DEFAULT_DTYPE[models], cache_dir=cache_dir)
+    keys = ["mid", *(f"mid-{method}" for method in four_bit), "draft"]
+    unknown = [key for key in keys if key not in TARGET_COPIES and key != "draft"]
+    if unknown:
+        raise ValueError(f"--four-bit takes 'nf4' or 'int4', got {[key[4:] for key in unknown]}")
+    model_set = build_model_set(models, set(keys), target_dtype or DEFAULT_DTYPE[models], cache_dir=cache_dir)
     labels = LABELS[models]
-    candidates: dict[str, Any] = {labels[key]: model_set.pool[key] for key in ("mid", "draft")}
+    candidates: dict[str, Any] = {labels[key]: model_set.pool[key] for key in keys}
     layers = DEFAULT_EARLY_EXIT[models] if early_exit_layers is None else early_exit_layers
     if layers:
         candidates[f"exit{layers}"] = early_exit(model_set.target, layers)

@@ -60,6 +60,8 @@ def add_plan_parser(commands) -> argparse.ArgumentParser:
                         "the validation budget; 0: per token of long generations)")
     parser.add_argument("--early-exit-layers", type=int, default=None,
                         help="layers of the target's early-exit candidate (default 14 qwen, 1 tiny; 0: none)")
+    parser.add_argument("--four-bit", action="append", default=[], choices=["nf4", "int4"],
+                        help="add a 4-bit copy of the target to the pool (repeatable; needs hf_polybasic[quant4])")
     parser.add_argument("--out", default=None, help="output directory (default: plan-results/<models>)")
     parser.add_argument("--validate", action="store_true", help="also time a grid of configurations and plain generate")
     parser.add_argument("--grid", choices=list(GRIDS), default="small",
@@ -82,7 +84,7 @@ def run_from_args(args: argparse.Namespace) -> int:
     progress = not args.no_progress
     out = Path(args.out or f"plan-results/{args.models}")
     out.mkdir(parents=True, exist_ok=True)
-    pool = build_pool(args.models, args.target_dtype, args.early_exit_layers, args.cache_dir)
+    pool = build_pool(args.models, args.target_dtype, args.early_exit_layers, args.cache_dir, tuple(args.four_bit))
     prompts = pool_prompts(pool, args.prompts, args.max_new_tokens)
     the_profile = profile(
         pool.target, pool.candidates, pool.tokenizer, prompts, do_sample=False, max_new_tokens=args.max_new_tokens,
