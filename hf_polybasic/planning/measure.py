@@ -10,7 +10,6 @@ from __future__ import annotations
 import inspect
 import platform
 import statistics
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -22,6 +21,7 @@ from ..compat import decoding_processors, resolved_decoding
 from ..costs import forward_cost
 from ..drafters import Drafter
 from ..processing import process_positions
+from ..timing import timed
 from .acceptance import is_int
 from .profile_data import DRAFTER, MODEL, TARGET, Profile, cost_order
 
@@ -95,9 +95,9 @@ def _read_drafter(drafter: Drafter, sequence: torch.LongTensor, start: int, budg
     """Propose at every position of the reference (its first token and length), timing each call."""
     tokens, lengths = [], []
     for t in range(sequence.shape[1] - start):
-        started = time.perf_counter()
-        proposal, _ = drafter.propose(sequence[:, : start + t], budget)
-        timings.append(time.perf_counter() - started)
+        with timed() as span:
+            proposal, _ = drafter.propose(sequence[:, : start + t], budget)
+        timings.append(span.seconds)
         lengths.append(int(proposal.shape[0]))
         tokens.append(int(proposal[0]) if proposal.shape[0] else -1)
     return _LevelReading(tokens=torch.tensor(tokens, dtype=torch.long), lengths=lengths)
@@ -106,9 +106,9 @@ def _read_drafter(drafter: Drafter, sequence: torch.LongTensor, start: int, budg
 def _read_model(model, sequence, start, processors, sampling: bool, vocab: int) -> _LevelReading:
     """Argmax (and, sampling, the processed distribution) at every position, from one forward."""
     count = sequence.shape[1] - start
-    started = time.perf_counter()
-    logits = _teacher_forced_logits(model, sequence, count, vocab)  # [M, V]
-    per_token = (time.perf_counter() - started) / (sequence.shape[1] - 1)
+    with timed() as span:
+        logits = _teacher_forced_logits(model, sequence, count, vocab)  # [M, V]
+    per_token = span.seconds / (sequence.shape[1] - 1)
     scores = process_positions(processors, sequence[0], start, logits)
     probs = scores.softmax(-1) if sampling else None
     return _LevelReading(tokens=scores.argmax(-1), probs=probs, seconds_per_token=per_token)

@@ -23,9 +23,9 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from .. import four_bit
 from ..costs import forward_cost
 from ..drafters import Drafter, PromptLookup
-from .. import four_bit
 from ..levels import early_exit, quantized_copy
 
 
@@ -153,10 +153,10 @@ def run_levels_table(models_kind: str, k: int, new_tokens: int, stride: int, rep
     """Build the cost/agreement table for the Qwen pair (or tiny random models) and write it;
     ``only``: measure just the candidates whose name contains one of these strings."""
     if models_kind == "qwen":
-        from . import models
+        from . import loading
 
-        target, tokenizer = models.load("qwen2.5-coder-1.5b-instruct")
-        small, _ = models.load("qwen2.5-coder-0.5b-instruct")
+        target, tokenizer = loading.load("qwen2.5-coder-1.5b-instruct")
+        small, _ = loading.load("qwen2.5-coder-0.5b-instruct")
         prompts = [
             tokenizer.apply_chat_template(
                 [{"role": "user", "content": text}], add_generation_prompt=True, return_tensors="pt", return_dict=True

@@ -1,4 +1,9 @@
-"""Loading the real models with as little memory as their use needs (the demo's RSS budget).
+"""Loading the real models (the one loader of the tools), with as little memory as their use needs.
+
+`load` gives ``(model, tokenizer)`` in float32 or bfloat16, `load_int8` the int8-dynamic model,
+`pack` packs a loaded model's linear layers; every tool builds its models through these
+(`hf_polybasic.tools.model_sets` for the benchmark's sets). Models are installed on first use
+(`hf_polybasic.tools.models`), never from the Hugging Face Hub.
 
 * float32 loads straight from the cached safetensors (memory-mapped: pages become resident only
   when read; the embedding only for the rows of tokens actually used);
@@ -112,17 +117,17 @@ def bf16_directory(name: str, cache_dir=None) -> Path:
 
 
 def load(name: str, dtype: torch.dtype = torch.float32, cache_dir=None):
-    """``(model, tokenizer)`` in ``dtype`` without a transient float32 copy for bfloat16."""
-    if dtype == torch.float32:
-        return models.load(name, dtype=dtype, cache_dir=cache_dir)
-    if dtype != torch.bfloat16:
+    """``(model, tokenizer)`` for ``name`` (installed first if needed) in ``dtype``, in eval mode on
+    the CPU: float32 straight from the cache, bfloat16 from its bfloat16 copy (no transient float32
+    model). Loads with ``HF_HUB_OFFLINE=1`` and ``local_files_only=True``."""
+    if dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"load: dtype must be torch.float32 or torch.bfloat16, got {dtype}")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    path = bf16_directory(name, cache_dir)
+    path = models.install(name, cache_dir=cache_dir) if dtype == torch.float32 else bf16_directory(name, cache_dir)
     with models.offline():
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
     return model.eval(), tokenizer
 
 
@@ -139,5 +144,5 @@ def pack(model: torch.nn.Module) -> torch.nn.Module:
 def load_int8(name: str, cache_dir=None) -> torch.nn.Module:
     """A cached model with every linear layer in dynamic int8, quantized layer by layer straight
     from the memory-mapped float32 file (its pages handed back as each layer is done)."""
-    model, _ = models.load(name, dtype=torch.float32, cache_dir=cache_dir)
+    model, _ = load(name, dtype=torch.float32, cache_dir=cache_dir)
     return quantize_linear_layers(model, after_each=_release_weight).eval()

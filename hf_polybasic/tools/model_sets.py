@@ -125,28 +125,25 @@ def _load_tiny(model_set: ModelSet, target_dtype: str) -> None:
 
 
 def _load_qwen(model_set: ModelSet, target_dtype: str, cache_dir) -> None:
-    from . import models
+    from . import loading
 
     pool = model_set.pool
-    # The int8 copies are made from fresh fp32 loads *before* the target is loaded, so that the
-    # peak memory holds one fp32 1.5B and its copy, never two fp32 1.5Bs and a copy.
+    # The copies of the target are made *before* the target is loaded, one at a time, so that the
+    # peak memory holds one float32 1.5B and its copy, never two 1.5Bs and a copy.
     for key, method in TARGET_COPIES.items():
         if key in pool:
-            fresh, _ = models.load(QWEN_TARGET, dtype=torch.float32, cache_dir=cache_dir)
-            pool[key] = quantized_copy(fresh, method)
-            del fresh
+            if method == "int8-dynamic":  # quantized layer by layer from the file
+                pool[key] = loading.load_int8(QWEN_TARGET, cache_dir=cache_dir)
+            else:
+                fresh, _ = loading.load(QWEN_TARGET, torch.float32, cache_dir=cache_dir)
+                pool[key] = quantized_copy(fresh, method)
+                del fresh
             gc.collect()
-    if "draft" in pool or "draft-fp32" in pool:
-        small, _ = models.load(QWEN_DRAFT, dtype=torch.float32, cache_dir=cache_dir)
-        if "draft" in pool:
-            pool["draft"] = quantized_copy(small, "int8-dynamic")
-        if "draft-fp32" in pool:
-            pool["draft-fp32"] = small
-        del small
-        gc.collect()
-    model_set.target, model_set.tokenizer = models.load(
-        QWEN_TARGET, dtype=TARGET_DTYPES[target_dtype], cache_dir=cache_dir
-    )
+    if "draft" in pool:
+        pool["draft"] = loading.load_int8(QWEN_DRAFT, cache_dir=cache_dir)
+    if "draft-fp32" in pool:
+        pool["draft-fp32"], _ = loading.load(QWEN_DRAFT, torch.float32, cache_dir=cache_dir)
+    model_set.target, model_set.tokenizer = loading.load(QWEN_TARGET, TARGET_DTYPES[target_dtype], cache_dir=cache_dir)
 
 
 # --- the planner's pool: the model set's mid and draft, an early exit of the target, PromptLookup

@@ -9,16 +9,17 @@ most of them cut into chunks spread over several packages. For a registry entry 
 3. loads it with transformers (which dequantizes the weights to float32) and saves a plain
    safetensors copy plus the tokenizer under ``<cache_dir>/<name>/``,
 
-after which `load` takes seconds. Every step is idempotent: a finished cache directory is never
+after which `hf_polybasic.tools.loading.load` takes seconds (this module installs and caches;
+`loading` is the one place models are loaded). Every step is idempotent: a finished cache directory is never
 rebuilt, and a model directory exists only once fully written (it is written under a temporary
 name and renamed). Not safe against two processes installing the same model at once.
 
 The weights are the GGUF's 4-bit quantized values dequantized to float32, not the original bf16
 checkpoints. Converting needs the ``gguf`` and ``accelerate`` packages; loading the cache does not.
 
-    >>> from hf_polybasic import models
-    >>> target, tokenizer = models.load("qwen2.5-coder-1.5b-instruct")
-    >>> drafter, _ = models.load("qwen2.5-coder-0.5b-instruct")   # same tokenizer
+    >>> from hf_polybasic.tools import loading
+    >>> target, tokenizer = loading.load("qwen2.5-coder-1.5b-instruct")
+    >>> drafter, _ = loading.load("qwen2.5-coder-0.5b-instruct")   # same tokenizer
 """
 
 from __future__ import annotations
@@ -428,18 +429,3 @@ def install(name: str | Model, cache_dir: str | os.PathLike | None = None, progr
     if temporary:
         gguf_path.unlink(missing_ok=True)
     return out_dir
-
-
-def load(name: str | Model, dtype: torch.dtype = torch.float32, cache_dir: str | os.PathLike | None = None):
-    """``(model, tokenizer)`` for ``name`` from the safetensors cache, installing it first if needed.
-
-    Loads with ``HF_HUB_OFFLINE=1`` and ``local_files_only=True``: never touches the network
-    (except pip, during a first install). The model is in eval mode, on the CPU, in ``dtype``.
-    """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    path = install(name, cache_dir=cache_dir)
-    with offline():
-        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
-    return model.eval(), tokenizer
