@@ -26,6 +26,13 @@ from .modules import replace_modules
 __all__ = ["Drafter", "PromptLookup", "early_exit", "quantized_copy"]
 
 QUANTIZATION_METHODS = ("bf16", "fp16", "int8-dynamic", "int4", "nf4")
+# said at every CPU 4-bit copy: exact, but its forwards over many tokens are slow on a CPU
+CPU_FOUR_BIT_WARNING = (
+    "quantized_copy(method={method!r}) on the CPU: its 4-bit kernels are fast for one token but slow for forwards "
+    "over many (a prefill, a verification), so as a middle level under the target it measured 0.6x plain generate "
+    "on an AVX-512 CPU (docs: Benchmarks, 'A 4-bit middle level on CPU'). It is the paper's level for GPUs; on a "
+    "CPU check a chain with `hf-polybasic plan --four-bit {method} --validate` before relying on it"
+)
 
 
 def quantized_copy(target: torch.nn.Module, method: str = "int8-dynamic") -> torch.nn.Module:
@@ -96,6 +103,7 @@ def _four_bit_copy(source: torch.nn.Module, method: str) -> torch.nn.Module:
         return four_bit.convert_linear(linear, method)
 
     replace_modules(clone, torch.nn.Linear, convert)
+    warnings.warn(CPU_FOUR_BIT_WARNING.format(method=method), UserWarning, stacklevel=3)
     four_bit_types = (four_bit.Int4Linear,) + ((four_bit.nf4_linear_type(),) if method == "nf4" else ())
     for module in clone.modules():
         if isinstance(module, four_bit_types):

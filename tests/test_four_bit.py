@@ -75,6 +75,12 @@ def test_chains_through_a_4_bit_middle_level_are_exact(method, do_sample):
         assert torch.equal(out.sequences, target.generate(ids, **options))
 
 
+@pytest.mark.parametrize("method", METHODS)
+def test_a_cpu_4_bit_copy_says_it_is_slow_as_a_middle_level(method):
+    with pytest.warns(UserWarning, match=rf"quantized_copy\(method='{method}'\) on the CPU.*0.6x plain generate"):
+        quantized_copy(_target(), method)
+
+
 def test_missing_libraries_and_bad_shapes_are_clear_errors(monkeypatch):
     target = make_target("qwen2", seed=64)  # width 32: not a multiple of 128
     if four_bit.available("int4"):

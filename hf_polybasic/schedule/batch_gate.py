@@ -23,6 +23,7 @@ Lossless like every schedule: it only decides, from past timings, whether the ne
 from __future__ import annotations
 
 from ..costs.curve import interpolate_cost
+from ..costs.estimate import CostEstimate
 from .backoff import MAX_BACKOFF_ROUNDS, BackOff
 from .rates import decayed, expected_tokens
 
@@ -49,7 +50,7 @@ class BatchGate:
             for a `Drafter`, whose proposals are priced as free): with ``target_costs``, the up-front check.
     """
 
-    def __init__(self, rows: int, target_costs=None, step_costs=None):
+    def __init__(self, rows: int, target_costs: CostEstimate | None = None, step_costs: CostEstimate | None = None):
         self.target_costs = target_costs
         self.backoff = BackOff()
         if target_costs is not None and not proposing_can_pay(rows, target_costs, step_costs):
@@ -98,7 +99,7 @@ class BatchGate:
         return None
 
 
-def proposing_can_pay(rows: int, target_costs, step_costs=None) -> bool:
+def proposing_can_pay(rows: int, target_costs: CostEstimate, step_costs: CostEstimate | None = None) -> bool:
     """Whether some proposal length k pays for ``rows`` rows sharing each forward, priced on the
     curves: rows E(k) / (k s(rows) + T(rows (k + 1))) > `UPFRONT_MARGIN` rows / T(rows), with E(k)
     the expected tokens at `UPFRONT_ACCEPTANCE` per token and s the proposing level's step.
@@ -116,6 +117,6 @@ def proposing_can_pay(rows: int, target_costs, step_costs=None) -> bool:
     )
 
 
-def _interpolated(costs, tokens: int) -> float:
+def _interpolated(costs: CostEstimate, tokens: int) -> float:
     """T(tokens) from a `CostEstimate`'s points as this call sees them."""
     return interpolate_cost(costs.snapshot(), tokens)
