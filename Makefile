@@ -20,7 +20,7 @@ demo: $(VENV)/.installed
 
 # The full suite runs on the transformers release installed in .venv (the newest supported); a
 # representative subset (greedy equality on every architecture, the distribution tests, generate's
-# features incl. streamers and pipelines, the compat checks) runs again on older releases, each
+# features incl. streamers and pipelines, batched decoding, the compat checks) runs again on older releases, each
 # installed beside it in .matrix/ (pure-Python wheels, seconds) and put first on PYTHONPATH.
 MATRIX_RELEASES := 4.57.6 5.4.0 5.14.1
 MATRIX_TESTS := tests/test_compat.py tests/test_greedy_equality.py tests/test_sampling_distribution.py \
