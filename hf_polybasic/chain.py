@@ -30,7 +30,7 @@ from .compat import new_dynamic_cache
 from .config import MAX_BLOCK_THRESHOLD, MAX_DRAFT_TOKENS, PolybasicConfig
 from .costs import CostCurves, CostEstimate
 from .drafters import AddedPromptLookup, Drafter
-from .drafting import DrafterLevel, ModelDrafter
+from .drafting import DrafterLevel, ModelDrafter, ScheduledRows
 from .processing import DecodingRules, process_positions
 from .protocol import Block, Level, Proposal
 from .schedule import BatchGate, Schedule, make_schedule
@@ -114,7 +114,7 @@ class Verifier:
         self.child.commit()
 
 
-class IntermediateLevel:
+class IntermediateLevel(ScheduledRows):
     """A `Verifier` that the level above uses as its proposer: for each row it verifies rounds of the
     level below until the row's block holds at least mu tokens (its schedule's length), an EOS or the
     budget, or its schedule ends it after a token; rows still building share each round's forward.
@@ -126,10 +126,9 @@ class IntermediateLevel:
     """
 
     def __init__(self, verifier: Verifier, schedules: dict[int, Schedule], clock: Clock = DEFAULT_CLOCK):
+        super().__init__()
         self.verifier, self.schedules, self.clock = verifier, schedules, clock
         self.stats = verifier.stats
-        self._starts: dict[int, int] = {}
-        self._proposed: dict[int, int] = {}
 
     def propose(self, requests: dict[int, tuple[torch.LongTensor, int]]) -> dict[int, Proposal]:
         blocks, thresholds, building = {}, {}, []
@@ -146,11 +145,7 @@ class IntermediateLevel:
                     for row in building
                 })
                 building = [row for row in building if self._extend(row, blocks[row], rounds[row], thresholds[row])]
-        total = sum(block.size for block in blocks.values())
-        for row, block in blocks.items():
-            self._proposed[row] = block.size
-            self.stats.proposed += block.size
-            self.schedules[row].observe_proposal(block.size, span.seconds * block.size / total if total else 0.0)
+        self._observe(blocks, span.seconds)
         return {row: block.proposal() for row, block in blocks.items()}
 
     def _extend(self, row: int, block: Block, round_: Round, threshold: int) -> bool:
@@ -174,11 +169,6 @@ class IntermediateLevel:
                 block.truncate(before + index + 1)
                 return True
         return False
-
-    def verified(self, kept: dict[int, int], seconds: float) -> None:
-        for row, count in kept.items():
-            self.schedules[row].observe_verification(self._proposed[row], count, seconds)
-        self.rollback_to({row: self._starts[row] + count for row, count in kept.items()})
 
     def rollback_to(self, lengths: dict[int, int]) -> None:
         self.verifier.rollback_to(lengths)

@@ -20,7 +20,40 @@ from .timing import DEFAULT_CLOCK, Clock, timed
 PROBABILITY_SUM_TOLERANCE = 1e-3
 
 
-class ModelDrafter:
+class ScheduledRows:
+    """The bookkeeping every level below the target shares, per row: where its last proposal started
+    and how long it was; what the proposal cost and what the level above kept go to the row's
+    schedule (when the level has schedules), and the level rolls back to what was kept. A subclass
+    sets ``schedules`` (``{row: Schedule}`` or None) and ``stats`` and implements ``rollback_to``."""
+
+    schedules: dict[int, Schedule] | None
+    stats: LevelStats
+
+    def __init__(self):
+        self._starts: dict[int, int] = {}
+        self._proposed: dict[int, int] = {}
+
+    def _observe(self, blocks: dict[int, Block], seconds: float) -> None:
+        """Each row's proposal is recorded and its schedule learns what it cost: the rows' shared
+        ``seconds`` split by tokens."""
+        total = sum(block.size for block in blocks.values())
+        for row, block in blocks.items():
+            self._proposed[row] = block.size
+            self.stats.proposed += block.size
+            if self.schedules is not None:
+                self.schedules[row].observe_proposal(block.size, seconds * block.size / total if total else 0.0)
+
+    def verified(self, kept: dict[int, int], seconds: float) -> None:
+        if self.schedules is not None:
+            for row, count in kept.items():
+                self.schedules[row].observe_verification(self._proposed[row], count, seconds)
+        self.rollback_to({row: self._starts[row] + count for row, count in kept.items()})
+
+    def rollback_to(self, lengths: dict[int, int]) -> None:
+        raise NotImplementedError
+
+
+class ModelDrafter(ScheduledRows):
     """Drafts up to K tokens with a model, sampling from (or taking the argmax of) its processed
     distribution; each row's schedule sets its K and may stop its draft early, token by token.
     Rows still drafting share one forward per step.
@@ -38,11 +71,10 @@ class ModelDrafter:
         samples: bool,
         clock: Clock = DEFAULT_CLOCK,
     ):
+        super().__init__()
         self.runner, self.rules, self.stats, self.schedules = runner, rules, stats, schedules
         self.samples = samples
         self.clock = clock
-        self._starts: dict[int, int] = {}
-        self._proposed: dict[int, int] = {}
 
     def propose(self, requests: dict[int, tuple[torch.LongTensor, int]]) -> dict[int, Proposal]:
         blocks, drafting = {}, []
@@ -78,23 +110,9 @@ class ModelDrafter:
             return False
         return not stops_per_token or schedule.keep_drafting(float(probs[0, token]))
 
-    def _observe(self, blocks: dict[int, Block], seconds: float) -> None:
-        """Each row's schedule learns what its draft cost: the rows' shared seconds split by tokens."""
-        total = sum(block.size for block in blocks.values())
-        for row, block in blocks.items():
-            self._proposed[row] = block.size
-            share = seconds * block.size / total if total else 0.0
-            self.schedules[row].observe_proposal(block.size, share)
-            self.stats.proposed += block.size
-
     def proposal_probs(self, probs: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         """What is reported upward for a sampled token: the processed distribution it was drawn from."""
         return probs
-
-    def verified(self, kept: dict[int, int], seconds: float) -> None:
-        for row, count in kept.items():
-            self.schedules[row].observe_verification(self._proposed[row], count, seconds)
-        self.rollback_to({row: self._starts[row] + count for row, count in kept.items()})
 
     def rollback_to(self, lengths: dict[int, int]) -> None:
         self.runner.rollback_rows(lengths)
@@ -103,7 +121,7 @@ class ModelDrafter:
         self.runner.commit()
 
 
-class DrafterLevel:
+class DrafterLevel(ScheduledRows):
     """Adapts a `Drafter` (the public, model-free interface) to the level protocol, checking what it
     returns; it is asked for each row in turn. A row's ``schedule`` (cost-aware) caps how many tokens
     it may propose, or sits it out (0: the level above decodes alone) when its drafts do not pay;
@@ -111,10 +129,9 @@ class DrafterLevel:
 
     def __init__(self, drafter: Drafter, rules: dict[int, DecodingRules], stats: LevelStats,
                  clock: Clock = DEFAULT_CLOCK, schedules: dict[int, Schedule] | None = None):
+        super().__init__()
         self.drafter, self.rules, self.stats, self.clock = drafter, rules, stats, clock
         self.schedules = schedules
-        self._starts: dict[int, int] = {}
-        self._proposed: dict[int, int] = {}
 
     def propose(self, requests: dict[int, tuple[torch.LongTensor, int]]) -> dict[int, Proposal]:
         proposals = {}
@@ -128,18 +145,9 @@ class DrafterLevel:
                 check_drafter_output(type(self.drafter).__name__, tokens, log_probs, budget)
                 block = Block(self.rules[row].eos_token_ids, budget, sequence.device)
                 block.extend(tokens.to(sequence.device), None if log_probs is None else log_probs.exp())
-            self.stats.proposed += block.size
-            self._proposed[row] = block.size
-            if schedule is not None:
-                schedule.observe_proposal(block.size, span.seconds)
+            self._observe({row: block}, span.seconds)  # timed alone: the row's own seconds
             proposals[row] = block.proposal()
         return proposals
-
-    def verified(self, kept: dict[int, int], seconds: float) -> None:
-        for row, count in kept.items():
-            if self.schedules is not None:
-                self.schedules[row].observe_verification(self._proposed[row], count, seconds)
-        self.rollback_to({row: self._starts[row] + count for row, count in kept.items()})
 
     def rollback_to(self, lengths: dict[int, int]) -> None:
         for length in lengths.values():  # a batchable Drafter keeps no state; one of one row does
