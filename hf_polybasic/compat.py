@@ -258,15 +258,28 @@ def logits_processor_classes(*names: str) -> tuple[type, ...]:
     return tuple(getattr(lp, name) for name in names if hasattr(lp, name))
 
 
+# Processors that skip the first tokens of each row, with the attribute holding how many: shifted
+# like positions, but never below 0 (a negative count would count from the end).
+# ``RepetitionPenaltyLogitsProcessor.prompt_ignore_length``: an int (the user's, of the padded
+# batch) or, from transformers 5.x's `generate`, one count per row (each row's left padding).
+SKIPPED_PREFIX_ATTRIBUTES: dict[type, str] = {lp.RepetitionPenaltyLogitsProcessor: "prompt_ignore_length"}
+
+
 def shift_positions(processor: lp.LogitsProcessor, shift: int) -> lp.LogitsProcessor:
     """``processor`` with its absolute positions moved ``shift`` tokens earlier (a copy), or itself
-    when it counts none."""
+    when it counts none. A count of skipped leading tokens shrinks by ``shift`` down to 0."""
     attribute = POSITION_ATTRIBUTES.get(type(processor))
-    if attribute is None or shift == 0:
-        return processor
-    shifted = copy.copy(processor)
-    setattr(shifted, attribute, getattr(processor, attribute) - shift)
-    return shifted
+    if attribute is not None and shift != 0:
+        shifted = copy.copy(processor)
+        setattr(shifted, attribute, getattr(processor, attribute) - shift)
+        return shifted
+    attribute = SKIPPED_PREFIX_ATTRIBUTES.get(type(processor))
+    value = None if attribute is None else getattr(processor, attribute, None)
+    if isinstance(value, int) and shift != 0:
+        shifted = copy.copy(processor)
+        setattr(shifted, attribute, max(value - shift, 0))
+        return shifted
+    return processor
 
 
 def processor_for_row(processor: lp.LogitsProcessor, row: int, prompt: torch.LongTensor) -> lp.LogitsProcessor:
@@ -276,7 +289,10 @@ def processor_for_row(processor: lp.LogitsProcessor, row: int, prompt: torch.Lon
     * `PrefixConstrainedLogitsProcessor`: the user's function gets the row's index as ``batch_id``,
       as in the batched `generate` (``_prefix_allowed_tokens_fn``, ``_num_beams``);
     * `EncoderRepetitionPenaltyLogitsProcessor` / `EncoderNoRepeatNGramLogitsProcessor`: they hold the
-      whole batch's prompts (``encoder_input_ids``), and see the row's own.
+      whole batch's prompts (``encoder_input_ids``), and see the row's own;
+    * `RepetitionPenaltyLogitsProcessor` with one ``prompt_ignore_length`` per row (transformers 5.x
+      passes each row's left padding): the row's own count, as an int (`shift_positions` then
+      removes the padding the row lost).
     """
     if isinstance(processor, lp.PrefixConstrainedLogitsProcessor):
         function = processor._prefix_allowed_tokens_fn
@@ -290,6 +306,12 @@ def processor_for_row(processor: lp.LogitsProcessor, row: int, prompt: torch.Lon
         return view
     if isinstance(processor, lp.EncoderNoRepeatNGramLogitsProcessor):
         return type(processor)(processor.ngram_size, prompt.unsqueeze(0))
+    attribute = SKIPPED_PREFIX_ATTRIBUTES.get(type(processor))
+    value = None if attribute is None else getattr(processor, attribute, None)
+    if isinstance(value, torch.Tensor):  # one count per row of the (expanded) batch: this row's
+        view = copy.copy(processor)
+        setattr(view, attribute, int(value[row]) if value.dim() else int(value))
+        return view
     return processor
 
 

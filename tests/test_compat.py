@@ -154,6 +154,18 @@ def test_positions_shift_on_a_copy(processor, attribute):
     assert compat.shift_positions(processor, 0) is processor
 
 
+def test_repetition_penaltys_skipped_prefix_is_per_row_and_shrinks_with_the_removed_padding():
+    per_row = lp.RepetitionPenaltyLogitsProcessor(1.3, prompt_ignore_length=torch.tensor([0, 4, 7]))
+    view = compat.processor_for_row(per_row, 2, torch.tensor([5, 6]))
+    assert view.prompt_ignore_length == 7 and per_row.prompt_ignore_length.shape == (3,)
+    assert compat.shift_positions(view, 7).prompt_ignore_length == 0
+    given = lp.RepetitionPenaltyLogitsProcessor(1.3, prompt_ignore_length=5)
+    assert compat.shift_positions(given, 3).prompt_ignore_length == 2
+    assert compat.shift_positions(given, 9).prompt_ignore_length == 0  # never negative: that counts from the end
+    plain = lp.RepetitionPenaltyLogitsProcessor(1.3)
+    assert compat.shift_positions(plain, 3) is plain and compat.processor_for_row(plain, 1, torch.tensor([5])) is plain
+
+
 def test_processors_without_positions_are_not_copied():
     warper = lp.TemperatureLogitsWarper(0.5)
     assert compat.shift_positions(warper, 3) is warper

@@ -5,6 +5,7 @@ import threading
 import pytest
 import torch
 from hf_polybasic.testing import EOS, PAD, make_chain, make_tokenizer, prompt
+from transformers.generation import logits_process as lp
 from transformers import (
     LogitsProcessor,
     LogitsProcessorList,
@@ -228,6 +229,38 @@ def test_encoder_repetition_penalty_sees_each_rows_own_prompt(chain):
         single = tokenizer(text, return_tensors="pt")
         alone = target.generate(**single, **options)
         assert torch.equal(out[row, width:], alone[0, single.input_ids.shape[1] :])
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3])
+@pytest.mark.parametrize("ignore", [None, 3])
+def test_repetition_penalty_of_a_left_padded_batch_skips_each_rows_padding(rows, ignore, chain):
+    """transformers 5.x gives `RepetitionPenaltyLogitsProcessor` each row's left padding as
+    ``prompt_ignore_length`` (a tensor): a batch crashed, and one padded row skipped real prompt
+    tokens (its padding was already removed). A user's int counts tokens of the padded batch."""
+    target, *assistants = chain
+    tokenizer = make_tokenizer()
+    texts = ["ab", "hello!there", "xyz"][:rows] if rows > 1 else ["ab"]
+    batch = tokenizer(texts, return_tensors="pt", padding=True)
+    if rows == 1:  # one row with left padding, as a pipeline's batch of one can send it
+        batch = tokenizer(["ab", "hello!there"], return_tensors="pt", padding=True)
+        batch = {key: value[:1] for key, value in batch.items()}
+    options = dict(do_sample=False, max_new_tokens=12, eos_token_id=None, pad_token_id=PAD)
+    if ignore is None:  # generate's own processor, with each row's padding as prompt_ignore_length
+        plain = target.generate(**batch, repetition_penalty=1.5, **options)
+        assert torch.equal(polybasic(target, assistants, **batch, repetition_penalty=1.5, **options), plain)
+        return
+    given = LogitsProcessorList([lp.RepetitionPenaltyLogitsProcessor(1.5, prompt_ignore_length=ignore)])
+    out = polybasic(target, assistants, **batch, logits_processor=given, **options)
+    # a user's int counts tokens of the padded batch, so plain batched generate also penalizes the pad
+    # id of rows padded beyond it; each row is compared with the row alone, its count shifted by the
+    # padding it loses (equal to plain batched generate where the count covers the padding)
+    width = batch["input_ids"].shape[1]
+    for row in range(len(batch["input_ids"])):
+        mask = batch["attention_mask"][row].bool()
+        padding = int((~mask).sum())
+        own = LogitsProcessorList([lp.RepetitionPenaltyLogitsProcessor(1.5, prompt_ignore_length=max(ignore - padding, 0))])
+        alone = target.generate(batch["input_ids"][row, mask][None], logits_processor=own, **options)[0, width - padding :]
+        assert torch.equal(out[row, width:], alone)
 
 
 def test_a_static_cache_from_cache_implementation_is_replaced_with_a_warning(chain):
