@@ -69,7 +69,8 @@ class CachedModel:
     physical slots the attention mask hides, so rows that accepted different numbers of tokens never
     have to be realigned (no cache is copied); each row's positions count its own tokens only.
     Trailing slots that no row uses any more are cut. Sliding-window layers cannot skip holes (their
-    window counts slots), so a batch of such a model is decoded row by row (`supports_rows`).
+    window counts slots), so a batch of such a model is decoded row by row
+    (`hf_polybasic.probe.rows_problem`).
 
     ``vocab_limit`` is the target's output width: an assistant's logits are cut to it (an assistant
     whose output layer is padded beyond the target's must never propose an id the target does not
@@ -276,12 +277,3 @@ class CachedModel:
         if self.cache is not None:
             compat.restrict_sliding_layers(self.cache)
 
-
-def supports_rows(model: torch.nn.Module) -> bool:
-    """Whether ``model`` can serve a batch of rows with holes in its cache: not with sliding-window
-    attention (its window counts cache slots, holes included)."""
-    config = model.config.get_text_config(decoder=True)
-    layer_types = getattr(config, "layer_types", None)
-    if layer_types is not None:
-        return not any("sliding" in str(kind) for kind in layer_types)
-    return not (getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True))

@@ -4,7 +4,7 @@ Nothing else in the package reads a private attribute of transformers or relies 
 changed between releases; the functions below say which internal they touch and why. Grouped by
 topic:
 
-* caches: `new_dynamic_cache`, `is_dynamic_cache`, `unrollable_layer`, `replaceable_empty_cache`,
+* caches: `new_dynamic_cache`, `is_dynamic_cache`, `unrollable_layer`, `windowed_layers`, `replaceable_empty_cache`,
   `record_past_states`, `stop_recording_past_states`, `remove_last_tokens`, `restrict_sliding_layers`
   (cache layer classes and their ``keys``, ``values``, ``cumulative_length``, ``is_initialized``,
   ``record_past`` fields; ``crop``'s argument);
@@ -100,6 +100,32 @@ def unrollable_layer(cache) -> tuple[int, str] | None:
         if type(layer) not in ROLLBACK_LAYER_TYPES:
             return index, type(layer).__name__
     return None
+
+
+def windowed_layers(model: torch.nn.Module) -> list[tuple[int, str]]:
+    """(index, kind) of the decoder layers whose cache keeps a window of slots: every layer class
+    transformers derives from its sliding-window layer (``sliding_attention``; Llama 4's
+    ``chunked_attention`` is backed by the same class), read from the `DynamicCache` laid out by
+    the model's config, so a new windowed kind is found by its class, not its name. Releases whose
+    cache cannot be laid out by config fall back to the config's layer types and window fields."""
+    config = model.config.get_text_config(decoder=True)
+    layer_types = list(getattr(config, "layer_types", None) or [])
+    try:
+        layers = DynamicCache(config=config).layers
+    except Exception:  # noqa: BLE001 - older releases, or configs they cannot lay out
+        layers = []
+    if layers:
+        return [
+            (index, f"{type(layer).__name__}" + (f" ({layer_types[index]})" if index < len(layer_types) else ""))
+            for index, layer in enumerate(layers)
+            if isinstance(layer, DynamicSlidingWindowLayer)
+        ]
+    if layer_types:
+        return [(index, str(kind)) for index, kind in enumerate(layer_types) if "sliding" in str(kind) or "chunk" in str(kind)]
+    window = getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True)
+    if window or getattr(config, "attention_chunk_size", None):
+        return [(index, "sliding_attention" if window else "chunked_attention") for index in range(config.num_hidden_layers)]
+    return []
 
 
 def replaceable_empty_cache(cache, made_by_generate: bool) -> bool:

@@ -10,8 +10,10 @@ cache holds exactly each row's output minus its last token (transformers' conven
 returned ``past_key_values`` can be continued.
 
 Rows are decoded together, each without its left padding (its own positions, processors shifted
-accordingly), so each is exactly as if it had been generated alone; models with sliding-window
-attention and Drafters that keep state decode a batch row by row instead (`batchable`).
+accordingly), so each is exactly as if it had been generated alone; where rows cannot share
+forwards exactly (windowed attention, a model that takes positions from its cache's layout, a
+Drafter that keeps state, ``use_cache=False``) a batch is decoded row by row, with the reason said
+(`row_by_row_reason`).
 """
 
 from __future__ import annotations
@@ -22,10 +24,11 @@ from dataclasses import dataclass, field
 import torch
 from transformers.generation import LogitsProcessorList, StoppingCriteriaList
 
-from .cache import supports_rows
+from .cache import model_label
 from .chain import ChainParts, Verifier, build_chain
 from .costs import CostCurves
 from .drafters import Drafter
+from .probe import check_cache, rows_problem
 from .processing import DecodingRules, processors_for_row
 from .request import Request
 from .schedule import BatchGate
@@ -89,19 +92,39 @@ def decode(
     return results
 
 
-def batchable(target: torch.nn.Module, assistants: list) -> bool:
-    """Whether the rows of a batch can share forwards: every model without sliding-window attention
-    (`hf_polybasic.cache.supports_rows`) and a bottom `Drafter`, if any, without per-row state."""
+def row_by_row_reason(target: torch.nn.Module, assistants: list, use_cache: bool = True) -> str | None:
+    """Why the rows of a batch cannot share forwards, or None: without a cache each forward
+    recomputes its rows' whole sequences; a `Drafter` that keeps state serves one row; a model
+    whose rows would see each other's cache layout (`hf_polybasic.probe.rows_problem`: windowed
+    attention, a forward that fails on holes, or for the target, whose logits decide the output,
+    positions taken from the cache's layout) decodes each row alone."""
+    if not use_cache:
+        return "use_cache=False (every forward recomputes its rows' whole sequences)"
     for model in [target, *assistants]:
         if isinstance(model, Drafter):
             if not getattr(model, "stateless", False):
-                return False
-        elif not supports_rows(model):
-            return False
-    return True
+                return f"the Drafter {type(model).__name__} keeps state between calls (Drafter.stateless is False)"
+            continue
+        problem = rows_problem(model, compare_logits=model is target)
+        if problem is not None:
+            return problem
+    return None
 
 
-_warned_row_by_row = False
+_last_row_by_row_reason: str | None = None  # warned again whenever the reason changes
+
+
+def _warn_row_by_row(reason: str) -> None:
+    global _last_row_by_row_reason
+    if reason == _last_row_by_row_reason:
+        return
+    _last_row_by_row_reason = reason
+    warnings.warn(
+        f"hf_polybasic decodes this batch row by row (one forward per row): {reason}. Rows of other chains share "
+        "each forward.",
+        UserWarning,
+        stacklevel=5,
+    )
 
 
 def decode_rows(
@@ -113,23 +136,21 @@ def decode_rows(
     clock: Clock = DEFAULT_CLOCK,
     costs: CostCurves | None = None,
 ) -> tuple[list[RowResult], PolybasicStats]:
-    """Decode the request's rows, together where they can share forwards (`batchable`), else one by
-    one; the rows' results and the call's statistics. ``costs`` are the cost curves the cost-aware
-    schedule uses (and refreshes)."""
-    global _warned_row_by_row
+    """Decode the request's rows, together where they can share forwards (`row_by_row_reason`),
+    else one by one; the rows' results and the call's statistics. ``costs`` are the cost curves the
+    cost-aware schedule uses (and refreshes). Every model that decodes on a cache is checked first
+    (`hf_polybasic.probe.check_cache`)."""
+    use_cache = request.caches[0] is not None
+    for role, model in [("target", target)] + [(f"assistant_models[{i}]", m) for i, m in enumerate(request.assistants)]:
+        if not isinstance(model, Drafter) and (use_cache or model is not target):
+            check_cache(model, f"{role} {model_label(model)}")
     rows = list(range(len(request.rows)))
     groups = [rows]
-    if len(rows) > 1 and (request.caches[0] is None or not batchable(target, request.assistants)):
-        groups = [[row] for row in rows]
-        if not _warned_row_by_row:
-            _warned_row_by_row = True
-            warnings.warn(
-                "hf_polybasic decodes this batch row by row (one forward per row): a model of the chain has "
-                "sliding-window attention, a Drafter keeps state, or use_cache=False. Rows of other chains share "
-                "each forward.",
-                UserWarning,
-                stacklevel=4,
-            )
+    if len(rows) > 1:
+        reason = row_by_row_reason(target, request.assistants, use_cache)
+        if reason is not None:
+            groups = [[row] for row in rows]
+            _warn_row_by_row(reason)
     results, total = {}, None
     is_model = [True] + [not isinstance(m, Drafter) for m in request.assistants]
     for group in groups:

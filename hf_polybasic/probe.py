@@ -1,0 +1,162 @@
+"""What a model's forward does with a cache and with holes, checked once per model on a tiny input.
+
+A chain relies on two properties that a model's class does not state and some models lack:
+
+* **its cache is its past** (`cache_problem`): logits for tokens fed on top of a cache, after a
+  rollback, equal a full forward's. Models that silently drop ``past_key_values`` (OpenAI-GPT keeps
+  no cache), cannot score several tokens on a filled cache (BLT) or need their whole input at
+  every step (CPM-Ant) fail it; a chain over them would emit other tokens than plain `generate`,
+  so they are refused before decoding.
+* **a row's logits ignore the other rows and the holes** (`rows_problem`): the rows of a batch
+  share forwards through one cache with holes (`hf_polybasic.cache.CachedModel`); a model that
+  takes positions from the cache's physical length instead of ``position_ids`` (TrOCR) or whose
+  window counts slots would see another row's layout. Such a batch is decoded row by row.
+
+Each probe runs the package's own `CachedModel` on a few deterministic token ids, against the same
+rows decoded alone (and a full forward), and is remembered per model object. What it cannot show
+from the model's outputs (windows longer than the probe, recurrent state) is decided from the cache
+layers (`hf_polybasic.compat.windowed_layers`).
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+
+import torch
+
+from . import compat
+from .cache import CachedModel, input_vocabulary_size, model_label
+
+# A probe's logits count as different from the reference when they are off by more than this share
+# of the reference's largest logit AND by more than this share of what a model that loses the
+# probe's context would be off by: rounding of a half-precision forward over a different number of
+# tokens, and dynamic int8 quantization (whose activation scale depends on every token of a forward),
+# stay below both; a model that drops its past or its positions reaches the second.
+TOLERANCE = 0.02
+NULL_SHARE = 0.25
+
+_cache_problems: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_rows_problems: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_lock = threading.Lock()
+
+
+def _remembered(store: weakref.WeakKeyDictionary, model: torch.nn.Module, check) -> str | None:
+    with _lock:
+        if model in store:
+            return store[model]
+    with torch.no_grad():
+        found = check(model)
+    with _lock:
+        store[model] = found
+    return found
+
+
+def _probe_ids(model: torch.nn.Module, count: int, seed: int) -> torch.LongTensor:
+    """``count`` deterministic token ids the model can embed, avoiding the first few (pad, BOS, EOS
+    in most vocabularies)."""
+    high = min(input_vocabulary_size(model), 1000)
+    low = 3 if high > 8 else 0
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(low, high, (count,), generator=generator).to(model.device)
+
+
+def _differs(value: torch.Tensor, reference: torch.Tensor, null: torch.Tensor) -> bool:
+    """Whether ``value`` differs from ``reference`` beyond rounding; ``null`` is what the model gives
+    without the context (the same tokens fed alone), the error of a model that loses it."""
+    if not bool(torch.isfinite(value).all()):
+        return True
+    error = float((value - reference).abs().max())
+    lost = float((null - reference).abs().max())
+    return error > TOLERANCE * max(float(reference.abs().max()), 1e-6) and error > NULL_SHARE * lost
+
+
+def _full_logits(model: torch.nn.Module, sequence: torch.LongTensor, count: int) -> torch.Tensor:
+    """Logits for the last ``count`` positions of ``sequence`` from one forward without a cache."""
+    return CachedModel(model, None, role=model_label(model)).logits(sequence, count)
+
+
+def cache_problem(model: torch.nn.Module) -> str | None:
+    """Why ``model`` cannot decode incrementally on its own cache, or None (remembered per model).
+
+    Feeds 4 probe tokens, then 3 more, rolls back 2 and feeds 2 others, on a fresh cache, and
+    compares the logits of each incremental forward with a full forward over the same tokens."""
+    return _remembered(_cache_problems, model, _check_cache)
+
+
+def _check_cache(model: torch.nn.Module) -> str | None:
+    ids = _probe_ids(model, 9, seed=1)
+    steps = [(ids[:4], 2), (ids[:7], 3), (torch.cat([ids[:5], ids[7:9]]), 2)]  # the last after a rollback to 5
+    runner = CachedModel(model, compat.new_dynamic_cache(model), role=model_label(model))
+    try:
+        for number, (sequence, count) in enumerate(steps):
+            fed = sequence.shape[0] - runner.length
+            logits = runner.logits(sequence, count)
+            if runner.cache.get_seq_length() != sequence.shape[0]:
+                return "it does not keep its past in the cache it is given (past_key_values stays empty)"
+            null = _full_logits(model, sequence[-fed:], count)
+            if _differs(logits, _full_logits(model, sequence, count), null):
+                return (
+                    "its logits for tokens fed on top of its cache differ from a full forward's (it needs its whole "
+                    "input at every step, or mishandles a cut cache)"
+                )
+            if number == 1:
+                runner.rollback_to(5)
+    except Exception as error:  # noqa: BLE001 - any failure to decode on a cache is the answer
+        return f"a forward on its own filled cache fails ({type(error).__name__}: {error})"
+    return None
+
+
+def check_cache(model: torch.nn.Module, role: str) -> None:
+    """Raise a clear error if ``model`` (``role`` names it in the message) fails `cache_problem`."""
+    problem = cache_problem(model)
+    if problem is not None:
+        raise ValueError(
+            f"{role} cannot be part of a speculative chain: {problem}. A chain scores drafted tokens on top of each "
+            "model's cache and cuts the rejected ones; use plain generate for this model"
+        )
+
+
+def rows_problem(model: torch.nn.Module, compare_logits: bool = True) -> str | None:
+    """Why the rows of a batch of ``model`` cannot share forwards through one cache with holes, or
+    None (remembered per model): windowed cache layers (their window counts slots, holes
+    included), a forward that fails on such a batch, or, with ``compare_logits``, a row whose logits
+    differ from the row decoded alone (two rows of different lengths, fed together with a
+    rolled-back hole). Only the target needs the last: a level below it that computes other logits
+    in a batch stays exact (its proposals are what it sampled; the target decides), and dynamic
+    int8 copies, whose activation scale spans every row of a forward, always do a little."""
+    structural, logits = _remembered(_rows_problems, model, _check_rows)
+    return structural or (logits if compare_logits else None)
+
+
+def _check_rows(model: torch.nn.Module) -> tuple[str | None, str | None]:
+    """(a structural problem, a logits problem): see `rows_problem`."""
+    windowed = compat.windowed_layers(model)
+    if windowed:
+        index, kind = windowed[0]
+        return (
+            f"{model_label(model)} has windowed attention (layer {index}: {kind}), whose window counts cache slots, "
+            "holes of other rows included"
+        ), None
+    a, b = _probe_ids(model, 8, seed=2), _probe_ids(model, 6, seed=3)
+    steps = [{0: (a[:3], 1), 1: (b[:2], 1)}, {0: (a[:6], 3), 1: (b[:3], 1)}, {0: (a[:8], 3), 1: (b[:6], 2)}]
+    rolled_back = {0: 4}  # after the second step: a hole inside row 0's cache
+    try:
+        together = CachedModel(model, compat.new_dynamic_cache(model), role=model_label(model), rows=2)
+        alone = [CachedModel(model, compat.new_dynamic_cache(model), role=model_label(model)) for _ in range(2)]
+        for number, step in enumerate(steps):
+            fed = {row: sequence.shape[0] - together.lengths[row] for row, (sequence, _) in step.items()}
+            logits = together.logits_rows(step)
+            for row, (sequence, count) in step.items():
+                null = _full_logits(model, sequence[-fed[row]:], count)
+                if _differs(logits[row], alone[row].logits(sequence, count), null):
+                    return None, (
+                        f"{model_label(model)} gives a row of a batch other logits than the row alone (it takes "
+                        "positions from the cache's layout rather than position_ids, or attends across holes)"
+                    )
+            if number == 1:
+                together.rollback_rows(rolled_back)
+                alone[0].rollback_to(rolled_back[0])
+    except Exception as error:  # noqa: BLE001 - a model that cannot run a batch with holes is answered the same way
+        return f"{model_label(model)} cannot run a batch whose rows have holes ({type(error).__name__}: {error})", None
+    return None, None

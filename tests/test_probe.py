@@ -1,0 +1,173 @@
+"""Models whose forward does not do what a chain relies on are found before decoding: refused when
+they cannot decode on their own cache, decoded row by row (with the reason) when the rows of a
+batch would see each other's cache layout. Each case failed before the probes: silently different
+tokens, or a crash inside the model."""
+
+import warnings
+
+import pytest
+import torch
+import transformers as tf
+from test_batches import left_padded
+
+import hf_polybasic as hp
+from hf_polybasic import compat, engine, probe
+from hf_polybasic.testing import EOS, PAD, make_chain, noisy_copy, prompt
+
+CONFIG = hp.PolybasicConfig(num_draft_tokens=3, block_threshold=4, schedule="constant")
+VOCAB = 96
+
+
+def _scaled(model):
+    """Peaked distributions, as `hf_polybasic.testing.make_target` makes them."""
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(4.0)
+    model.generation_config.pad_token_id, model.generation_config.eos_token_id = PAD, EOS
+    return model.eval()
+
+
+def openai_gpt():
+    """Keeps no cache: it silently swallows ``past_key_values``."""
+    torch.manual_seed(0)
+    return _scaled(tf.OpenAIGPTLMHeadModel(tf.OpenAIGPTConfig(vocab_size=VOCAB, n_positions=64, n_embd=32, n_layer=2,
+                                                              n_head=4)))
+
+
+def trocr():
+    """Takes positions from the cache's physical length; ``position_ids`` are ignored."""
+    torch.manual_seed(0)
+    config = tf.TrOCRConfig(vocab_size=VOCAB, d_model=32, decoder_layers=2, decoder_attention_heads=4,
+                            decoder_ffn_dim=64, max_position_embeddings=128, pad_token_id=PAD, bos_token_id=1,
+                            eos_token_id=EOS)
+    return _scaled(tf.TrOCRForCausalLM(config))
+
+
+def cpm_ant():
+    """Needs its whole input at every step."""
+    torch.manual_seed(0)
+    config = tf.CpmAntConfig(vocab_size=VOCAB, hidden_size=32, num_attention_heads=4, dim_head=8, dim_ff=64,
+                             num_hidden_layers=2, prompt_length=4, segment_types=4, prompt_types=4)
+    return tf.CpmAntForCausalLM(config).eval()
+
+
+def llama4(chunk: int = 4):
+    """Chunked attention, backed by transformers' sliding-window cache layer."""
+    torch.manual_seed(0)
+    config = tf.Llama4TextConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, intermediate_size_mlp=64,
+                                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                 attention_chunk_size=chunk, num_local_experts=2, num_experts_per_tok=1,
+                                 max_position_embeddings=256, pad_token_id=PAD, bos_token_id=1, eos_token_id=EOS)
+    return _scaled(tf.Llama4ForCausalLM(config))
+
+
+OPTIONS = dict(do_sample=False, max_new_tokens=16, eos_token_id=None, pad_token_id=PAD)
+
+
+def _chain_call(target, assistants, ids, mask=None):
+    return target.generate(ids, attention_mask=mask, custom_generate=hp.generate, assistant_models=assistants,
+                           polybasic_config=CONFIG, **OPTIONS)
+
+
+@pytest.mark.parametrize("build, cause", [(openai_gpt, "past_key_values stays empty"),
+                                          (cpm_ant, "past_key_values stays empty")])
+def test_a_model_that_does_not_decode_on_its_cache_is_refused_clearly(build, cause):
+    model = build()
+    assert cause in probe.cache_problem(model)
+    draft = noisy_copy(model, 0.1, seed=1)
+    with pytest.raises(ValueError, match=rf"target {type(model).__name__} cannot be part of a speculative chain: .*{cause}"):
+        _chain_call(model, [draft], prompt(6, seed=3))
+    llama, llama_draft = make_chain("llama", 2, seed=4)
+    with pytest.raises(ValueError, match=rf"assistant_models\[0\] {type(model).__name__} cannot be part"):
+        _chain_call(llama, [model], prompt(6, seed=3))
+
+
+def test_a_forward_that_fails_on_a_filled_cache_is_a_refusal_not_a_crash():
+    class NoSecondForward(torch.nn.Module):  # BLT cannot score several tokens on a filled cache
+        def __init__(self, model):
+            super().__init__()
+            self.inner, self.config = model, model.config
+
+        @property
+        def device(self):
+            return self.inner.device
+
+        def get_input_embeddings(self):
+            return self.inner.get_input_embeddings()
+
+        def forward(self, input_ids, past_key_values=None, **kwargs):
+            if past_key_values is not None and past_key_values.get_seq_length() > 0 and input_ids.shape[1] > 1:
+                raise RuntimeError("cannot score several tokens on a filled cache")
+            return self.inner(input_ids=input_ids, past_key_values=past_key_values, **kwargs)
+
+    problem = probe.cache_problem(NoSecondForward(make_chain("llama", 1, seed=5)[0]))
+    assert problem.startswith("a forward on its own filled cache fails (RuntimeError: cannot score several tokens")
+
+
+def test_models_that_decode_on_their_cache_pass_the_probe(shared_models):
+    for arch in ("llama", "qwen2", "gemma3"):
+        assert probe.cache_problem(shared_models.chain(arch, 2, seed=7)[0]) is None
+    assert probe.cache_problem(trocr()) is None and probe.cache_problem(llama4()) is None
+
+
+def test_a_model_that_ignores_position_ids_decodes_a_batch_row_by_row_with_the_reason():
+    target = trocr()
+    draft = noisy_copy(target, 0.1, seed=2)
+    prompts = [prompt(n, seed=n)[0] for n in (3, 7, 5)]
+    ids, mask = left_padded(prompts)
+    with pytest.warns(UserWarning, match="row by row .*TrOCRForCausalLM gives a row of a batch other logits"):
+        out = _chain_call(target, [draft], ids, mask)
+    for row, p in enumerate(prompts):
+        alone = target.generate(p[None], **OPTIONS)[0, p.shape[0] :]
+        assert torch.equal(out[row, ids.shape[1] :], alone)
+
+
+def test_chunked_attention_is_windowed_by_its_cache_layer_class_and_batched_row_by_row():
+    """Llama 4's chunked layers are transformers' sliding-window layers: holes would narrow the
+    chunk (every row of a 4-row batch differed from plain batched generate, without a warning)."""
+    target = llama4()
+    kinds = compat.windowed_layers(target)
+    assert kinds and all("DynamicSlidingWindowLayer (chunked_attention)" == kind for _, kind in kinds)
+    draft = noisy_copy(target, 0.1, seed=3)
+    prompts = [prompt(n, seed=10 + n)[0] for n in (3, 9, 5, 6)]
+    ids, mask = left_padded(prompts)
+    with pytest.warns(UserWarning, match=r"row by row .*windowed attention \(layer 0: DynamicSlidingWindowLayer"):
+        out = _chain_call(target, [draft], ids, mask)
+    assert torch.equal(out, target.generate(ids, attention_mask=mask, **OPTIONS))
+
+
+def test_windowed_layers_come_from_the_cache_layer_classes(shared_models):
+    gemma, llama = shared_models.chain("gemma3", 1, seed=7)[0], shared_models.chain("llama", 1, seed=7)[0]
+    assert [index for index, _ in compat.windowed_layers(gemma)] == [0]
+    assert compat.windowed_layers(llama) == []
+    assert probe.rows_problem(llama) is None
+
+
+def test_the_row_by_row_warning_says_why_each_time_the_reason_changes(shared_models, monkeypatch):
+    monkeypatch.setattr(engine, "_last_row_by_row_reason", None)
+    sliding = shared_models.chain("gemma3", 2, seed=7)
+    full = shared_models.chain("llama", 2, seed=7)
+    ids, mask = left_padded([prompt(4, seed=1)[0], prompt(6, seed=2)[0]])
+
+    def reasons(target, draft, **options):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            target.generate(ids, attention_mask=mask, custom_generate=hp.generate, assistant_models=[draft],
+                            polybasic_config=CONFIG, **{**OPTIONS, **options})
+        return [str(w.message) for w in caught if "row by row" in str(w.message)]
+
+    assert any("windowed attention" in m for m in reasons(*sliding))
+    assert reasons(*sliding) == []  # the same reason again: said once
+    assert any("use_cache=False" in m for m in reasons(*full, use_cache=False))
+    assert any("windowed attention" in m for m in reasons(*sliding))
+
+
+def test_only_the_targets_batched_logits_must_equal_the_rows_alone():
+    """A level below the target stays exact whatever logits it computes in a batch (the target
+    decides), so only a structural problem decodes its batch row by row."""
+    model = trocr()
+    assert probe.rows_problem(model) is not None
+    assert probe.rows_problem(model, compare_logits=False) is None
+    llama = make_chain("llama", 1, seed=9)[0]
+    target = noisy_copy(model, 0.0, seed=1)  # an exact copy: a TrOCR drafter under a TrOCR target is refused by it
+    assert engine.row_by_row_reason(llama, [model]) is None
+    assert "TrOCRForCausalLM gives a row" in engine.row_by_row_reason(target, [llama])
