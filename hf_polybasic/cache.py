@@ -60,16 +60,24 @@ def check_rollback_support(model: torch.nn.Module, cache, role: str) -> None:
         )
 
 
+# A batch's cache is compacted (every row's tokens moved next to each other, holes dropped) once it
+# holds more than this many slots per token of its longest row
+COMPACT_RATIO = 1.25
+
+
 class CachedModel:
     """A causal LM plus its own cache, fed incrementally along the token sequences of ``rows`` rows.
 
     One row: the cache holds exactly the row's cached tokens, and a rollback cuts its tail.
-    Several rows (a batch): one forward feeds every row its own new tokens at once. Each row's new
-    tokens are left-padded to the widest row's count; pads and rolled-back tokens are *holes*,
-    physical slots the attention mask hides, so rows that accepted different numbers of tokens never
-    have to be realigned (no cache is copied); each row's positions count its own tokens only.
-    Trailing slots that no row uses any more are cut. Sliding-window layers cannot skip holes (their
-    window counts slots), so a batch of such a model is decoded row by row
+    Several rows (a batch): one forward feeds every live row its own new tokens at once. Each row's
+    new tokens are left-padded to the widest row's count; pads and rolled-back tokens are *holes*,
+    physical slots the attention mask hides, so rows that accepted different numbers of tokens are
+    not realigned every round; each row's positions count its own tokens only. Trailing slots that
+    no row uses any more are cut, and once the slots outnumber the longest row's tokens by
+    `COMPACT_RATIO` the cache is compacted (one gather per layer), so memory, attention and the mask
+    grow with the text, not with the history of rejections. Rows that are done leave the cache's
+    batch (`release_rows`): later forwards are as wide as the live rows. Sliding-window layers
+    cannot skip holes (their window counts slots), so a batch of such a model is decoded row by row
     (`hf_polybasic.probe.rows_problem`).
 
     ``vocab_limit`` is the target's output width: an assistant's logits are cut to it (an assistant
@@ -79,8 +87,9 @@ class CachedModel:
     Attributes:
         lengths: per row, tokens of its current sequence whose keys/values are cached.
         forward_passes: forward calls made (F_i in the paper; one per batched forward).
-        cost_observer: told ``observe(tokens computed, seconds)`` after every forward, when set (a
-            `hf_polybasic.costs.CostEstimate` following what forwards cost on this machine now).
+        cost_observer: told ``observe(tokens computed, seconds, rows)`` after every forward, when set
+            (a `hf_polybasic.costs.CostEstimate` following what forwards cost on this machine now).
+        compactions: times a batch's cache was compacted.
     """
 
     def __init__(
@@ -108,16 +117,32 @@ class CachedModel:
         first = cache.get_seq_length() if cache is not None else 0
         self.lengths = [first] * rows
         self._slots = [list(range(first)) for _ in range(rows)]  # physical slot of each cached token
-        self._valid = torch.zeros(rows, 0, dtype=torch.bool, device=self.device)  # [rows, slots] (rows > 1)
+        # a batch: each live row's index in the cache's batch (None once released), and which slots hold a
+        # token of that row ([live rows, slots], the attention mask)
+        self._batch_index: list[int | None] = list(range(rows))
+        self._valid = torch.zeros(rows, 0, dtype=torch.bool, device=self.device)
         self.forward_passes = 0
+        self.compactions = 0
         self.cost_observer = None
         self.input_vocabulary = input_vocabulary_size(model)
+        # ids reaching an assistant come from the target's output, narrower than its embedding: no check
+        self._ids_need_check = vocab_limit is None or self.input_vocabulary < vocab_limit
         self._accepts_logits_to_keep = compat.accepts_logits_to_keep(model)
 
     @property
     def length(self) -> int:
         """Cached tokens of the only row (a one-row runner)."""
         return self.lengths[0]
+
+    @property
+    def live_rows(self) -> int:
+        """Rows not released yet (the width of a batched forward)."""
+        return sum(index is not None for index in self._batch_index)
+
+    @property
+    def slots(self) -> int:
+        """Physical slots of the cache (a batch: holes included)."""
+        return self._valid.shape[1] if self.rows > 1 else self.lengths[0]
 
     def logits(self, sequence: torch.LongTensor, num_positions: int) -> torch.Tensor:
         """Float32 logits ``[num_positions, V]`` for the last positions of ``sequence`` ``[L]`` (row 0).
@@ -129,27 +154,28 @@ class CachedModel:
 
     def logits_rows(self, requests: dict[int, tuple[torch.LongTensor, int]]) -> dict[int, torch.Tensor]:
         """`logits` for several rows in one forward: ``{row: (sequence [L], num_positions)}`` ->
-        ``{row: [num_positions, V]}``; rows not asked feed nothing (their slots of this forward are
-        holes)."""
+        ``{row: [num_positions, V]}``; live rows not asked feed nothing (their slots of this forward
+        are holes)."""
         fed = {}
         for row, (sequence, num_positions) in requests.items():
             first_needed = sequence.shape[0] - num_positions
             if self.lengths[row] > first_needed:
                 self.rollback_rows({row: first_needed})
             fed[row] = sequence[0 if self.cache is None else self.lengths[row] :]
-            self._check_ids(fed[row])
+        if self._ids_need_check:
+            self._check_ids(torch.cat(list(fed.values())))
         keep = max(n for _, n in requests.values())
         kwargs = {"logits_to_keep": keep} if self._accepts_logits_to_keep else {}
         with timed(self.clock) as span:
             if self.rows == 1:
                 (row,) = requests
                 logits = {row: self._forward_one(fed[row], requests[row][1], kwargs)}
-                computed = int(fed[row].shape[0])
+                computed, batch = int(fed[row].shape[0]), 1
             else:
-                logits, computed = self._forward_rows(fed, {r: n for r, (_, n) in requests.items()}, kwargs)
+                logits, computed, batch = self._forward_rows(fed, {r: n for r, (_, n) in requests.items()}, kwargs)
             synchronize(self.cuda_devices)  # on a GPU, time the work, not its launch
         if self.cost_observer is not None:
-            self.cost_observer.observe(computed, span.seconds)
+            self.cost_observer.observe(computed, span.seconds, rows=batch)
         self.forward_passes += 1
         for row, (sequence, _) in requests.items():
             self.lengths[row] = sequence.shape[0]
@@ -168,28 +194,34 @@ class CachedModel:
             self._slots[0].extend(range(start, start + fed.shape[0]))
         return outputs.logits[0, -num_positions:, : self.vocab_limit].float()
 
-    def _forward_rows(self, fed: dict, num_positions: dict, kwargs: dict) -> tuple[dict, int]:
-        """One forward of every row's new tokens, left-padded to the widest (pads are holes)."""
+    def _forward_rows(self, fed: dict, num_positions: dict, kwargs: dict) -> tuple[dict, int, int]:
+        """One forward of every live row's new tokens, left-padded to the widest (pads are holes);
+        (logits per row asked, tokens computed, rows of the forward)."""
+        self._compact_if_sparse()
         width = max(int(tokens.shape[0]) for tokens in fed.values())
-        slots = self._valid.shape[1]
-        inputs = torch.zeros(self.rows, width, dtype=torch.long, device=self.device)
-        positions = torch.zeros(self.rows, width, dtype=torch.long, device=self.device)
-        new_valid = torch.zeros(self.rows, width, dtype=torch.bool, device=self.device)
+        batch, slots = self._valid.shape
+        # token ids stay where they are (no read back to the host); positions and the mask are host
+        # bookkeeping, sent in one copy each
+        inputs = torch.zeros(batch, width, dtype=torch.long, device=self.device)
+        positions = torch.zeros(batch, width, dtype=torch.long)
+        new_valid = torch.zeros(batch, width, dtype=torch.bool)
         for row, tokens in fed.items():
-            count = int(tokens.shape[0])
+            count, index = int(tokens.shape[0]), self._batch_index[row]
             if count == 0:
                 continue
-            inputs[row, width - count :] = tokens.to(self.device)
-            positions[row, width - count :] = torch.arange(self.lengths[row], self.lengths[row] + count)
-            new_valid[row, width - count :] = True
+            inputs[index, width - count :] = tokens.to(self.device)
+            positions[index, width - count :] = torch.arange(self.lengths[row], self.lengths[row] + count)
+            new_valid[index, width - count :] = True
             self._slots[row].extend(range(slots + width - count, slots + width))
-        self._valid = torch.cat([self._valid, new_valid], dim=1)
+        self._valid = torch.cat([self._valid, new_valid.to(self.device)], dim=1)
         outputs = self.model(
-            input_ids=inputs, position_ids=positions, attention_mask=self._valid.long(), past_key_values=self.cache,
-            use_cache=True, **kwargs,
+            input_ids=inputs, position_ids=positions.to(self.device),
+            attention_mask=self._valid.long(), past_key_values=self.cache, use_cache=True, **kwargs,
         )
-        logits = {row: outputs.logits[row, -n:, : self.vocab_limit].float() for row, n in num_positions.items()}
-        return logits, self.rows * width
+        logits = {
+            row: outputs.logits[self._batch_index[row], -n:, : self.vocab_limit].float() for row, n in num_positions.items()
+        }
+        return logits, batch * width, batch
 
     def prefill_repeated(self, prompts: dict[int, torch.LongTensor], repeats: int) -> None:
         """Cache every row's prompt but its last token, computing each distinct prompt once: rows come
@@ -202,19 +234,21 @@ class CachedModel:
         width = max(int(tokens.shape[0]) for tokens in firsts)
         if width == 0:
             return
+        if self._ids_need_check:
+            self._check_ids(torch.cat(firsts))
         inputs = torch.zeros(len(firsts), width, dtype=torch.long, device=self.device)
-        positions = torch.zeros_like(inputs)
-        valid = torch.zeros(len(firsts), width, dtype=torch.bool, device=self.device)
+        positions = torch.zeros(len(firsts), width, dtype=torch.long)
+        valid = torch.zeros(len(firsts), width, dtype=torch.bool)
         for group, tokens in enumerate(firsts):
             count = int(tokens.shape[0])
-            self._check_ids(tokens)
             inputs[group, width - count :] = tokens.to(self.device)
             positions[group, width - count :] = torch.arange(count)
             valid[group, width - count :] = True
         kwargs = {"logits_to_keep": 1} if self._accepts_logits_to_keep else {}
+        valid = valid.to(self.device)
         with timed(self.clock):
-            self.model(input_ids=inputs, position_ids=positions, attention_mask=valid.long(), past_key_values=self.cache,
-                       use_cache=True, **kwargs)
+            self.model(input_ids=inputs, position_ids=positions.to(self.device),
+                       attention_mask=valid.long(), past_key_values=self.cache, use_cache=True, **kwargs)
             synchronize(self.cuda_devices)
         self.forward_passes += 1
         self.cache.batch_repeat_interleave(repeats)
@@ -233,9 +267,10 @@ class CachedModel:
     def _check_ids(self, new_ids: torch.LongTensor) -> None:
         """A clear error, not an IndexError in the embedding, for an id this model cannot embed (an
         assistant whose vocabulary lacks a few of the target's padding rows, see `hf_polybasic.vocabulary`)."""
-        if new_ids.numel() and int(new_ids.max()) >= self.input_vocabulary:
+        largest = int(new_ids.max()) if new_ids.numel() else -1
+        if largest >= self.input_vocabulary:
             raise ValueError(
-                f"token id {int(new_ids.max())} was generated but {self.role} has only {self.input_vocabulary} token "
+                f"token id {largest} was generated but {self.role} has only {self.input_vocabulary} token "
                 "ids; every model of a chain must use the target's tokenizer (its vocabulary must cover every id "
                 "the target emits)"
             )
@@ -245,7 +280,8 @@ class CachedModel:
         self.rollback_rows({0: length})
 
     def rollback_rows(self, lengths: dict[int, int]) -> None:
-        """Forget each row's cached tokens past its ``length`` (no-op where fewer are cached)."""
+        """Forget each row's cached tokens past its ``length`` (no-op where fewer are cached, and for
+        rows already released)."""
         if self.rows == 1:
             length = lengths.get(0, self.lengths[0])
             if length < self.lengths[0]:
@@ -255,25 +291,70 @@ class CachedModel:
                 self.lengths[0] = length
             return
         for row, length in lengths.items():
-            if length >= self.lengths[row]:
+            index = self._batch_index[row]
+            if index is None or length >= self.lengths[row]:
                 continue
             dropped = self._slots[row][length:]
-            self._valid[row, dropped] = False
+            self._valid[index, dropped] = False
             del self._slots[row][length:]
             self.lengths[row] = length
         self._cut_unused_tail()
 
+    def release_rows(self, rows) -> None:
+        """Rows that are done leave the cache's batch: every later forward is as wide as the rows
+        still live (one ``batch_select_indices``)."""
+        if self.rows == 1 or self.cache is None:
+            return
+        gone = {row for row in rows if self._batch_index[row] is not None}
+        if not gone:
+            return
+        live = [row for row in range(self.rows) if self._batch_index[row] is not None and row not in gone]
+        keep = [self._batch_index[row] for row in live]
+        if live:
+            compat.select_batch_rows(self.cache, torch.tensor(keep, device=self.device))
+            self._valid = self._valid[torch.tensor(keep, device=self.device)]
+        for row in gone:
+            self._batch_index[row] = None
+            self._slots[row] = []
+        for index, row in enumerate(live):
+            self._batch_index[row] = index
+        if live:
+            self._cut_unused_tail()
+
+    def _live_rows(self) -> list[int]:
+        return [row for row in range(self.rows) if self._batch_index[row] is not None]
+
     def _cut_unused_tail(self) -> None:
         """Cut the trailing slots no row uses any more (the common case: every row rejected its tail)."""
-        used = self._valid.any(dim=0).nonzero()
-        keep = int(used[-1]) + 1 if used.numel() else 0
+        keep = max((self._slots[row][-1] + 1 for row in self._live_rows() if self._slots[row]), default=0)
         excess = self._valid.shape[1] - keep
         if excess > 0:
             compat.remove_last_tokens(self.cache, excess)
             self._valid = self._valid[:, :keep]
 
+    def _compact_if_sparse(self) -> None:
+        """Move every live row's cached tokens next to each other, right-aligned (as left padding
+        would), once the slots outnumber the longest row's tokens by `COMPACT_RATIO`."""
+        live = self._live_rows()
+        longest = max((self.lengths[row] for row in live), default=0)
+        if self._valid.shape[1] <= COMPACT_RATIO * longest or not live:
+            return
+        index = torch.zeros(len(live), longest, dtype=torch.long)  # new slot j of a row <- its old slot
+        valid = torch.zeros(len(live), longest, dtype=torch.bool)
+        for row in live:
+            count, batch = len(self._slots[row]), self._batch_index[row]
+            if count:
+                index[batch, longest - count :] = torch.tensor(self._slots[row])
+                valid[batch, longest - count :] = True
+            self._slots[row] = list(range(longest - count, longest))
+        compat.gather_slots(self.cache, index.to(self.device))
+        self._valid = valid.to(self.device)
+        self.compactions += 1
+
     def commit(self) -> None:
-        """Everything cached is final: let sliding layers drop states outside their window."""
+        """Everything cached is final: let sliding layers drop states outside their window, and
+        compact a sparse batch."""
         if self.cache is not None:
             compat.restrict_sliding_layers(self.cache)
-
+            if self.rows > 1:
+                self._compact_if_sparse()

@@ -113,11 +113,19 @@ class Verifier:
         self.runner.commit()
         self.child.commit()
 
+    def release_rows(self, rows) -> None:
+        """These rows are done: they leave every forward, here and below."""
+        self.runner.release_rows(rows)
+        self.child.release_rows(rows)
+
 
 class IntermediateLevel(ScheduledRows):
     """A `Verifier` that the level above uses as its proposer: for each row it verifies rounds of the
     level below until the row's block holds at least mu tokens (its schedule's length), an EOS or the
     budget, or its schedule ends it after a token; rows still building share each round's forward.
+
+    ``exact_size``: blocks hold at most the schedule's length (the level stands for a bottom drafter
+    proposing K tokens, below which `PolybasicConfig.prompt_lookup` put a `PromptLookup`).
 
     Each round asks its verifier for one token more than the block has room for, so the level below
     drafts up to the budget (in a chain of n models every level drafts as soon as 2 tokens remain);
@@ -125,15 +133,19 @@ class IntermediateLevel(ScheduledRows):
     still an autoregressive sample of this level's distribution, and its cache never held that token).
     """
 
-    def __init__(self, verifier: Verifier, schedules: dict[int, Schedule], clock: Clock = DEFAULT_CLOCK):
+    def __init__(self, verifier: Verifier, schedules: dict[int, Schedule], clock: Clock = DEFAULT_CLOCK,
+                 exact_size: bool = False):
         super().__init__()
         self.verifier, self.schedules, self.clock = verifier, schedules, clock
+        self.exact_size = exact_size
         self.stats = verifier.stats
 
     def propose(self, requests: dict[int, tuple[torch.LongTensor, int]]) -> dict[int, Proposal]:
         blocks, thresholds, building = {}, {}, []
         for row, (sequence, budget) in requests.items():
             thresholds[row] = self.schedules[row].length()
+            if self.exact_size:  # a block of exactly its length, as a drafter's K (cutting a prefix stays exact)
+                budget = min(budget, thresholds[row])
             blocks[row] = Block(self.verifier.rules[row].eos_token_ids, budget, sequence.device)
             self._starts[row] = sequence.shape[0]
             if not blocks[row].closed and thresholds[row] > 0:
@@ -176,6 +188,9 @@ class IntermediateLevel(ScheduledRows):
     def commit(self) -> None:
         self.verifier.commit()
 
+    def release_rows(self, rows) -> None:
+        self.verifier.release_rows(rows)
+
 
 @dataclass(frozen=True)
 class ChainParts:
@@ -197,15 +212,21 @@ def level_names(target: torch.nn.Module, assistant_models: Sequence) -> list[str
 
 
 class BatchShare:
-    """A row's view of a verifier's costs while ``rows`` rows share each forward: a forward scoring
-    k tokens for each of n rows is priced as one of n k tokens (the machine reads the weights once
-    for all of them), split evenly, T(n k) / n. One row: the curve itself."""
+    """A row's view of a verifier's costs while the rows still live share each of its forwards
+    (``runner.live_rows``, n: rows that are done have left them): a forward scoring k tokens for
+    each of n rows is priced as one of n k tokens (the machine reads the weights once for all of
+    them), split evenly, T(n k) / n. One row: the curve itself."""
 
-    def __init__(self, estimate, rows: int):
-        self.estimate, self.rows = estimate, rows
+    def __init__(self, estimate, runner):
+        self.estimate, self.runner = estimate, runner
+
+    @property
+    def rows(self) -> int:
+        return max(self.runner.live_rows, 1)
 
     def seconds(self, tokens: float) -> float:
-        return self.estimate.seconds(self.rows * tokens) / self.rows
+        rows = self.rows
+        return self.estimate.seconds(rows * tokens) / rows
 
     @property
     def last_seconds(self) -> float | None:
@@ -277,7 +298,7 @@ def build_chain(
             curve = None if runner is None else costs.curve_for(models[index], clock, measure=config.measure_costs)
             if curve is not None:  # None: not stored and not to be measured; the schedule goes by the call's timings
                 estimates[index] = runner.cost_observer = CostEstimate(curve)
-    shared = [None if estimate is None else BatchShare(estimate, count) for estimate in estimates]
+    shared = [None if estimate is None else BatchShare(estimate, runner) for estimate, runner in zip(estimates, runners)]
     # rows of a batch: whether the level under the target proposes at all is the batch's decision
     gate = BatchGate(count, estimates[0], estimates[1]) if count > 1 and config.schedule == "cost_aware" else None
 
@@ -303,8 +324,10 @@ def build_chain(
         # below a greedy intermediate level, sampled drafts would only lower its acceptance
         samples = do_sample and not (greedy_intermediates and bottom > 1)
         level = parts.model_drafter(runners[bottom], rules, stats.levels[bottom], schedules[bottom], samples, clock)
-    added = int(isinstance(models[bottom], AddedPromptLookup))  # its level above has no mu of the caller's
-    thresholds = config.thresholds_for(bottom - 1 - added) + (MAX_BLOCK_THRESHOLD,) * added
+    # a PromptLookup the config added below the bottom model: that model keeps handing up K tokens
+    # per round (now as blocks it verified), and the caller's mu stay with the levels they were for
+    added = int(isinstance(models[bottom], AddedPromptLookup))
+    thresholds = config.thresholds_for(bottom - 1 - added) + (config.num_draft_tokens,) * added
     for index in range(bottom - 1, 0, -1):  # intermediate levels, bottom-up
         samples = do_sample and not greedy_intermediates
         verifier = parts.verifier(runners[index], level, rules, stats.levels[index], samples, clock)
@@ -316,6 +339,8 @@ def build_chain(
             config.schedule, thresholds[index - 1], MAX_BLOCK_THRESHOLD, per_token=True,
             verifier_costs=shared[index - 1], step_seconds=step, static_check=False,
             gate=gate if index == 1 else None))
-        level = parts.intermediate(verifier, schedules[index], clock)
+        # the model above an added PromptLookup stands for the bottom drafter: blocks of exactly K
+        exact_size = bool(added) and index == bottom - 1
+        level = parts.intermediate(verifier, schedules[index], clock, exact_size=exact_size)
     top = parts.verifier(runners[0], level, rules, stats.levels[0], do_sample, clock)
     return Chain(top, stats, runners, schedules, estimates, gate)

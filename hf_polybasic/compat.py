@@ -5,7 +5,8 @@ changed between releases; the functions below say which internal they touch and 
 topic:
 
 * caches: `new_dynamic_cache`, `is_dynamic_cache`, `unrollable_layer`, `windowed_layers`, `replaceable_empty_cache`,
-  `record_past_states`, `stop_recording_past_states`, `remove_last_tokens`, `restrict_sliding_layers`
+  `record_past_states`, `stop_recording_past_states`, `remove_last_tokens`, `restrict_sliding_layers`,
+  `select_batch_rows`, `gather_slots`
   (cache layer classes and their ``keys``, ``values``, ``cumulative_length``, ``is_initialized``,
   ``record_past`` fields; ``crop``'s argument);
 * models: `accepts_logits_to_keep`, `is_stateful`;
@@ -196,6 +197,44 @@ def _trim_sliding_layer_tail(layer: DynamicSlidingWindowLayer, count: int) -> No
     layer.keys = layer.keys[..., :-count, :]
     layer.values = layer.values[..., :-count, :]
     layer.cumulative_length -= count
+
+
+def select_batch_rows(cache, indices: torch.LongTensor) -> None:
+    """Keep only the batch rows ``indices`` of every layer (the public ``batch_select_indices``)."""
+    cache.batch_select_indices(indices)
+
+
+def gather_slots(cache, index: torch.LongTensor) -> None:
+    """Rearrange the slots of every layer: slot j of batch row b becomes its old slot
+    ``index[b, j]`` (``[batch, new slots]``). Full-attention layers (``keys``/``values``
+    ``[B, H, S, D]``) and DeepSeek-style indexed layers (also ``indexer_keys`` ``[B, S, D]`` and
+    ``indexer_position_ids`` ``[P, B, S]``); a layer that stores nothing (KV sharing) is skipped;
+    any other kind raises (its batches are decoded row by row, `hf_polybasic.probe.rows_problem`)."""
+    for number, layer in enumerate(cache.layers):
+        if not getattr(layer, "is_initialized", False) or getattr(layer, "keys", None) is None:
+            continue
+        if type(layer) not in (DynamicLayer, *(t for t in ROLLBACK_LAYER_TYPES if t.__name__ == "DynamicIndexedLayer")):
+            raise TypeError(f"cannot compact cache layer {number}, a {type(layer).__name__}")
+        if layer.keys.numel() == 0:
+            continue
+        layer.keys = _gather_along(layer.keys, index, dim=2)
+        layer.values = _gather_along(layer.values, index, dim=2)
+        if getattr(layer, "indexer_keys", None) is not None and layer.indexer_keys.numel():
+            layer.indexer_keys = _gather_along(layer.indexer_keys, index, dim=1)
+        if getattr(layer, "indexer_position_ids", None) is not None:
+            positions = layer.indexer_position_ids  # [P, B, S]
+            layer.indexer_position_ids = positions.gather(2, index.to(positions.device).unsqueeze(0).expand(
+                positions.shape[0], -1, -1))
+
+
+def _gather_along(tensor: torch.Tensor, index: torch.LongTensor, dim: int) -> torch.Tensor:
+    """``tensor`` (batch first) with positions along ``dim`` picked per batch row by ``index`` ``[B, S']``."""
+    shape = [1] * tensor.dim()
+    shape[0], shape[dim] = index.shape
+    expanded = index.to(tensor.device).reshape(shape).expand(*[
+        index.shape[1] if axis == dim else size for axis, size in enumerate(tensor.shape)
+    ])
+    return tensor.gather(dim, expanded)
 
 
 def restrict_sliding_layers(cache) -> None:

@@ -58,7 +58,8 @@ class PolybasicConfig:
         prompt_lookup: True puts a `hf_polybasic.drafters.PromptLookup` below the *model* at the bottom
             of the chain: a free level that drafts by copying what followed the last few tokens
             earlier in the prompt or the text so far. The chain's last model then verifies those
-            copies in one forward instead of drafting token by token; the cost-aware schedule sits
+            copies in one forward instead of drafting token by token (it still hands up K tokens
+            per round: blocks of ``num_draft_tokens`` it verified); the cost-aware schedule sits
             the level out where its copies are not accepted. It pays where outputs copy their input
             (code edits, summaries, retrieval); off by default because elsewhere the extra level costs
             more than it saves (docs: Benchmarks). A chain whose bottom already is a `Drafter` is

@@ -120,6 +120,9 @@ class ModelDrafter(ScheduledRows):
     def commit(self) -> None:
         self.runner.commit()
 
+    def release_rows(self, rows) -> None:
+        self.runner.release_rows(rows)
+
 
 class DrafterLevel(ScheduledRows):
     """Adapts a `Drafter` (the public, model-free interface) to the level protocol, checking what it
@@ -155,6 +158,9 @@ class DrafterLevel(ScheduledRows):
 
     def commit(self) -> None:
         self.drafter.commit()
+
+    def release_rows(self, rows) -> None:
+        """A `Drafter` serving several rows keeps no state: nothing to release."""
 
 
 def check_drafter_output(name: str, tokens, log_probs, limit: int) -> None:

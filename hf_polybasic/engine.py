@@ -78,6 +78,9 @@ def decode(
         # every cache holds the output minus its last token when committed
         top.rollback_to({row: sequences[row].shape[0] - 1 for row in rounds})
         top.commit()
+        done = [row for row in rounds if row in finished or sequences[row].shape[0] >= max_lengths[row]]
+        if done and len(done) < len(live):  # rows that are done leave every later forward
+            top.release_rows(done)
         for row, round_ in rounds.items():
             if request.streamer is not None:
                 request.streamer.put(round_.tokens[: kept[row]].cpu())
@@ -186,7 +189,10 @@ def _decode_group(target, request, processors, stopping_criteria, parts, clock, 
     chain = build_chain(target, request.assistants, request.config, rules, cache, parts, clock, costs)
     with timed(clock) as span:
         if len(group) > 1 and request.repeats > 1 and _shares_prompts(prompts, request.repeats):
-            for runner in chain.runners:  # num_return_sequences: each prompt is computed once
+            # num_return_sequences: each prompt is computed once; levels below the target only when the
+            # batch proposes at all (a batch its gate sits out from the start never runs them)
+            drafting = chain.gate is None or not chain.gate.paused
+            for runner in chain.runners[: None if drafting else 1]:
                 if runner is not None:
                     runner.prefill_repeated(prompts, request.repeats)
         decoded = decode(chain.top, prompts, max_lengths, stopping_criteria, request, chain.gate, clock)

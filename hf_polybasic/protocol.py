@@ -9,7 +9,8 @@ down. Every level below the target implements `Level`:
   last proposal (each row's share of the verification took ``seconds``); the level rolls itself and everything below
   back to them and updates each row's schedule;
 * ``rollback_to({row: length})`` / ``commit()``: forget each row's tokens past ``length`` /
-  everything so far is final (the target verified it), here and below.
+  everything so far is final (the target verified it), here and below;
+* ``release_rows(rows)``: these rows are done; they leave every later forward, here and below.
 
 Vocabulary (the same everywhere in the package):
 
@@ -125,3 +126,5 @@ class Level(Protocol):
     def rollback_to(self, lengths: dict[int, int]) -> None: ...
 
     def commit(self) -> None: ...
+
+    def release_rows(self, rows) -> None: ...

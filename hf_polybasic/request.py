@@ -144,8 +144,9 @@ def _target_caches(target, rows: int, use_cache: bool, given) -> list:
 
 def with_prompt_lookup(assistants: list, config: PolybasicConfig) -> list:
     """``assistants`` with a `PromptLookup` below the bottom model when the config asks for one
-    (`PolybasicConfig.prompt_lookup`); a Drafter at the bottom already is left alone. The mu of the
-    new intermediate level (the former bottom model) is the config's last one."""
+    (`PolybasicConfig.prompt_lookup`); a Drafter at the bottom already is left alone. The former
+    bottom model, now an intermediate level, keeps K: its blocks hold ``num_draft_tokens`` tokens
+    (under the constant and heuristic schedules; the cost-aware one sizes them itself)."""
     if not config.prompt_lookup or isinstance(assistants[-1], Drafter):
         return assistants
     return [*assistants, AddedPromptLookup()]

@@ -10,7 +10,7 @@ from scipy.stats import chi2_contingency
 from transformers import StoppingCriteria, StoppingCriteriaList
 
 import hf_polybasic as hp
-from hf_polybasic.chain import ChainParts
+from hf_polybasic.chain import ChainParts, Verifier
 from hf_polybasic.drafting import ModelDrafter
 from hf_polybasic.integration import make_generate
 from hf_polybasic.testing import EOS, PAD, prompt
@@ -154,3 +154,182 @@ def test_the_default_schedule_decides_for_the_batch_whether_drafting_pays(pays, 
     else:
         assert stats.levels[1].forward_passes == 0 and stats.levels[0].drafted == 0
         assert stats.levels[1].paused_rounds == 4 * 12  # every row, every round
+
+
+# --- the batch's cache and width follow the live rows ------------------------------------------------
+class SlotsAtEveryRound:
+    """Records, after every commit (once per target round, at every level), each model's slots per
+    token of its longest live row."""
+
+    ratios: list = []
+
+    @classmethod
+    def record(cls, runner):
+        live = [row for row in range(runner.rows) if runner._batch_index[row] is not None]
+        longest = max(runner.lengths[row] for row in live)
+        cls.ratios.append((runner.role.split()[0], runner.slots / max(longest, 1)))
+
+
+class RecordingVerifier(Verifier):
+    def commit(self):
+        super().commit()
+        SlotsAtEveryRound.record(self.runner)
+
+
+class RecordingDrafter(ModelDrafter):
+    def commit(self):
+        super().commit()
+        SlotsAtEveryRound.record(self.runner)
+
+
+def test_holes_are_compacted_so_caches_grow_with_the_text_not_the_rejections(shared_models):
+    """8 ragged rows, 150 tokens, drafts often rejected: at every round every model's cache holds at
+    most 1.25 slots per token of its longest row (holes of rejected drafts made the target's 2.9x,
+    and the attention and the mask grew with them), and the output is still exact."""
+    target, *assistants = shared_models.chain("llama", 3, seed=74)
+    prompts = [prompt(2 + (7 * row) % 13, seed=300 + row)[0] for row in range(8)]
+    ids, mask = left_padded(prompts)
+    options = dict(do_sample=False, max_new_tokens=150, eos_token_id=None, pad_token_id=PAD)
+    SlotsAtEveryRound.ratios = []
+    generate = make_generate(ChainParts(verifier=RecordingVerifier, model_drafter=RecordingDrafter))
+    out = target.generate(ids, attention_mask=mask, custom_generate=generate, assistant_models=assistants,
+                          polybasic_config=hp.PolybasicConfig(num_draft_tokens=4, block_threshold=6,
+                                                              schedule="constant"), **options)
+    assert torch.equal(out, target.generate(ids, attention_mask=mask, **options))
+    roles = {role for role, _ in SlotsAtEveryRound.ratios}
+    assert roles == {"target", "assistant_models[0]", "assistant_models[1]"}
+    assert max(ratio for _, ratio in SlotsAtEveryRound.ratios) <= 1.25
+
+
+def test_the_cache_is_compacted_without_changing_any_rows_logits(shared_models):
+    from hf_polybasic.cache import CachedModel
+    from hf_polybasic.compat import new_dynamic_cache
+
+    model = shared_models.chain("llama", 1, seed=75)[0]
+    a, b = prompt(12, seed=1)[0], prompt(6, seed=2)[0]
+    together = CachedModel(model, new_dynamic_cache(model), "m", rows=2)
+    together.logits_rows({0: (a[:10], 1), 1: (b[:3], 1)})
+    together.rollback_rows({0: 4})  # a long hole: 10 slots for a row of 4 tokens
+    before = together.slots
+    logits = together.logits_rows({0: (a[:6], 2), 1: (b, 3)})
+    assert together.compactions == 1 and together.slots < before
+    alone = CachedModel(model, new_dynamic_cache(model), "m")
+    alone.logits(a[:4], 1)
+    assert torch.allclose(logits[0], alone.logits(a[:6], 2), atol=1e-5)
+    alone.rollback_to(0)
+    assert torch.allclose(logits[1], alone.logits(b, 3), atol=1e-5)
+
+
+def test_rows_that_stop_leave_every_later_forward(shared_models):
+    """4 rows, 3 of them stop after 2 tokens: the later target forwards are one row wide (they
+    stayed 4 wide, and the lone survivor was priced as if 4 rows shared them)."""
+    target, draft = shared_models.chain("llama", 2, seed=76)
+    prompts = [prompt(5, seed=400 + row)[0] for row in range(4)]
+    ids, mask = left_padded(prompts)
+    criteria = StoppingCriteriaList([StopAfterForPrompt(p, p.shape[0] + 2) for p in prompts[1:]])
+    from hf_polybasic import probe
+
+    probe.cache_problem(target), probe.rows_problem(target)  # probed (once per model) before the widths are recorded
+    widths = []
+    handle = target.register_forward_pre_hook(lambda module, args, kwargs: widths.append(kwargs["input_ids"].shape[0]),
+                                              with_kwargs=True)
+    try:
+        out = target.generate(ids, attention_mask=mask, custom_generate=hp.generate, assistant_models=[draft],
+                              polybasic_config=CONFIG, do_sample=False, max_new_tokens=30, eos_token_id=None,
+                              pad_token_id=PAD, stopping_criteria=criteria)
+    finally:
+        handle.remove()
+    for row, p in enumerate(prompts):
+        alone = target.generate(p[None], do_sample=False, max_new_tokens=30 if row == 0 else 2, eos_token_id=None)
+        new = alone[0, p.shape[0] :]
+        assert torch.equal(out[row, ids.shape[1] : ids.shape[1] + new.shape[0]], new)
+        assert (out[row, ids.shape[1] + new.shape[0] :] == PAD).all()
+    assert widths[0] == 4 and widths[-1] == 1 and widths.count(1) >= 5
+
+
+def test_a_rows_share_of_a_forward_is_priced_over_the_rows_still_live():
+    from hf_polybasic.chain import BatchShare
+
+    class Runner:
+        live_rows = 4
+
+    class Flat:  # T(k) = 1 + k
+        last_seconds = 8.0
+
+        def seconds(self, tokens):
+            return 1.0 + tokens
+
+    runner = Runner()
+    share = BatchShare(Flat(), runner)
+    assert share.seconds(2) == pytest.approx((1 + 8) / 4) and share.last_seconds == 2.0
+    runner.live_rows = 1
+    assert share.seconds(2) == pytest.approx(3.0) and share.last_seconds == 8.0
+
+
+def test_batched_forwards_do_not_correct_the_one_row_cost_curve(shared_models):
+    from hf_polybasic.cache import CachedModel
+    from hf_polybasic.compat import new_dynamic_cache
+    from hf_polybasic.costs import CostCurve, CostEstimate
+
+    model = shared_models.chain("llama", 1, seed=75)[0]
+    runner = CachedModel(model, new_dynamic_cache(model), "m", rows=4)
+    runner.cost_observer = estimate = CostEstimate(CostCurve({1: 1.0, 4: 1.0}))
+    runner.logits_rows({row: (prompt(3, seed=row)[0], 1) for row in range(4)})
+    runner.logits_rows({row: (prompt(4, seed=row)[0], 1) for row in range(4)})  # 4 rows x 1 token
+    assert estimate.observed == 0 and estimate.last_seconds is not None
+    single = CachedModel(model, new_dynamic_cache(model), "m")
+    single.cost_observer = estimate
+    single.logits(prompt(4, seed=1)[0], 1)
+    assert estimate.observed == 1
+
+
+def test_prompt_lookup_keeps_k_per_target_verification(shared_models):
+    """PolybasicConfig(prompt_lookup=True, K=2, constant): the former bottom model hands up blocks
+    of K tokens (it got mu = 32: 30 drafts per target verification)."""
+    target, draft = shared_models.chain("llama", 2, seed=77)
+    ids = prompt(6, seed=5).repeat(1, 3)  # a repetitive prompt: the lookup finds copies
+    out = target.generate(ids, custom_generate=hp.generate, assistant_models=[draft], do_sample=False,
+                          max_new_tokens=40, eos_token_id=None, return_dict_in_generate=True,
+                          polybasic_config=hp.PolybasicConfig(prompt_lookup=True, num_draft_tokens=2,
+                                                              schedule="constant"))
+    assert torch.equal(out.sequences, target.generate(ids, do_sample=False, max_new_tokens=40, eos_token_id=None))
+    top = out.polybasic_stats.levels[0]
+    assert max(length - 1 for length in top.acceptance_lengths) <= 2
+    assert top.drafted <= 2 * top.verifications and top.drafted > top.verifications
+    assert_every_level_took_part(out.polybasic_stats, rejections=False, acceptances=False)
+
+
+def _no_drafting_pays(target, draft):
+    return {target: lambda tokens: 0.01 * tokens, draft: lambda tokens: 0.005 * tokens}
+
+
+def test_without_cost_curves_the_batch_gate_times_plain_rounds_and_sits_out(shared_models):
+    """measure_costs=False (no stored curve): the gate had no plain rate to compare with and never
+    paused, where drafting cannot pay (4.7x the time of the same call with curves)."""
+    from hf_polybasic.testing import simulated_machine
+
+    target, draft = shared_models.chain("llama", 2, seed=73)
+    ids, mask = left_padded([prompt(n, seed=n)[0] for n in (5, 7, 6, 9)])
+    options = dict(do_sample=False, max_new_tokens=40, eos_token_id=None, pad_token_id=PAD)
+    seconds = {}
+    for measure in (True, False):
+        with simulated_machine(_no_drafting_pays(target, draft)) as generate:
+            out = target.generate(ids, attention_mask=mask, custom_generate=generate, assistant_models=[draft],
+                                  polybasic_config=hp.PolybasicConfig(measure_costs=measure),
+                                  return_dict_in_generate=True, **options)
+        assert torch.equal(out.sequences, target.generate(ids, attention_mask=mask, **options))
+        seconds[measure] = out.polybasic_stats.seconds
+        assert out.polybasic_stats.levels[1].paused_rounds > 0
+    assert seconds[False] < 1.5 * seconds[True]
+
+
+def test_a_batch_sat_out_from_the_start_never_prefills_the_drafter(shared_models):
+    from hf_polybasic.testing import simulated_machine
+
+    target, draft = shared_models.chain("llama", 2, seed=73)
+    with simulated_machine(_no_drafting_pays(target, draft)) as generate:
+        out = target.generate(prompt(6, seed=8), custom_generate=generate, assistant_models=[draft],
+                              num_return_sequences=4, do_sample=True, max_new_tokens=8, eos_token_id=None,
+                              return_dict_in_generate=True)
+    assert out.sequences.shape[0] == 4
+    assert out.polybasic_stats.levels[1].forward_passes == 0

@@ -8,7 +8,7 @@ import warnings
 import pytest
 import torch
 from transformers import GenerationConfig, StaticCache
-from transformers.cache_utils import DynamicSlidingWindowLayer
+from transformers.cache_utils import DynamicCache, DynamicSlidingWindowLayer
 from transformers.generation import logits_process as lp
 
 from hf_polybasic import compat
@@ -218,3 +218,25 @@ def test_an_untested_release_warns_once(monkeypatch):
 
 def test_processor_classes_a_release_lacks_are_left_out():
     assert compat.logits_processor_classes("TopKLogitsWarper", "NoSuchWarper") == (lp.TopKLogitsWarper,)
+
+
+def test_gather_slots_moves_each_rows_keys_and_values_and_select_keeps_rows():
+    cache = DynamicCache()
+    keys = torch.arange(2 * 1 * 4 * 2, dtype=torch.float32).reshape(2, 1, 4, 2)
+    cache.update(keys, -keys, layer_idx=0)
+    compat.gather_slots(cache, torch.tensor([[1, 3], [0, 2]]))
+    layer = cache.layers[0]
+    assert torch.equal(layer.keys[0, 0], keys[0, 0, [1, 3]]) and torch.equal(layer.keys[1, 0], keys[1, 0, [0, 2]])
+    assert torch.equal(layer.values, -layer.keys) and cache.get_seq_length() == 2
+    compat.select_batch_rows(cache, torch.tensor([1]))
+    assert torch.equal(cache.layers[0].keys[0, 0], keys[1, 0, [0, 2]])
+
+
+def test_gather_slots_refuses_layers_it_cannot_compact():
+    cache = DynamicCache()
+    cache.update(torch.zeros(1, 1, 3, 2), torch.zeros(1, 1, 3, 2), layer_idx=0)
+    sliding = DynamicSlidingWindowLayer(sliding_window=4)
+    sliding.update(torch.zeros(1, 1, 3, 2), torch.zeros(1, 1, 3, 2))
+    cache.layers[0] = sliding
+    with pytest.raises(TypeError, match="cannot compact cache layer 0, a DynamicSlidingWindowLayer"):
+        compat.gather_slots(cache, torch.tensor([[0, 1]]))

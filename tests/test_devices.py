@@ -171,7 +171,7 @@ def test_a_forward_is_timed_to_the_end_of_its_gpu_work(monkeypatch, fp32_chain):
     monkeypatch.setattr(cache_module, "synchronize", synchronize)
     runner = CachedModel(model, new_dynamic_cache(model), role="target", clock=clock)
     observed = []
-    runner.cost_observer = type("Observer", (), {"observe": lambda self, tokens, seconds: observed.append(seconds)})()
+    runner.cost_observer = type("Observer", (), {"observe": lambda self, tokens, seconds, rows=1: observed.append(seconds)})()
     runner.logits(prompt(5, seed=1)[0], 1)
     assert synchronized == [("cuda:7",)] and observed == [0.5]
     assert forward_cost(model, prompt(6), 2, repeats=3, clock=clock) == 0.5  # what measuring the curves sees

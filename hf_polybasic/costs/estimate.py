@@ -49,9 +49,12 @@ class CostEstimate:
     def _nearest_point(self, tokens: int) -> int:
         return min(self.curve.points, key=lambda k: abs(math.log(k) - math.log(tokens)))
 
-    def observe(self, tokens: int, seconds: float) -> None:
+    def observe(self, tokens: int, seconds: float, rows: int = 1) -> None:
+        """A forward computed ``tokens`` tokens (over ``rows`` rows of a batch) in ``seconds``. Only
+        one-row forwards correct the curve, which prices one row: a batch's forward of n rows of k
+        tokens differs from one row of n k (its attention spans n caches)."""
         self.last_seconds = seconds
-        if not 1 <= tokens <= ONLINE_MAX_TOKENS or seconds <= 0:
+        if rows != 1 or not 1 <= tokens <= ONLINE_MAX_TOKENS or seconds <= 0:
             return
         ratio = math.log(seconds / self.curve.seconds(tokens))
         for running in (self._whole, self._at[self._nearest_point(tokens)]):

@@ -7,7 +7,8 @@ any row drafts, so a row's schedule, which prices its own tokens as an even shar
 stronger baseline than one row decoding alone: n rows cost a memory-bound machine about one step,
 while verifying n rows of k tokens each makes a forward of n k tokens, which can be compute-bound.
 
-Before the first round it prices the batch with the cost curves: if not even a generous acceptance
+Before the first round it prices the batch with the cost curves (without a curve for the target it
+starts with a few plain rounds instead, to time what speculation must beat): if not even a generous acceptance
 (`UPFRONT_ACCEPTANCE` per token) makes any proposal length beat plain batched decoding by
 `UPFRONT_MARGIN`, the batch starts sat out (the drafter is then never even prefilled), as a single
 row does when not even perfect acceptance could pay. Then a `BatchGate` times what the batch actually gets, by the clock: the tokens all rows emit per second
@@ -36,6 +37,12 @@ MARGIN = 0.95
 UPFRONT_ACCEPTANCE = 0.8
 UPFRONT_MARGIN = 1.1
 UPFRONT_LENGTHS = 8
+# without a cost curve for the target, the batch decodes plainly for this many rounds (after the
+# prefill) to time what it must beat
+PLAIN_FIRST_ROUNDS = 2
+# ... and its rows propose at most this many tokens per round until a round with proposals has
+# beaten the plain ones (each such round is judged alone)
+BLIND_LENGTH = 2
 
 
 class BatchGate:
@@ -45,7 +52,10 @@ class BatchGate:
         rows: the batch's rows.
         target_costs: the target's forward cost, ``seconds(k)`` for k tokens scored
             (`hf_polybasic.costs.CostEstimate`), to price plain batched rounds before one is timed;
-            None: speculate until a window has been timed against a plain round.
+            None (no curve: ``measure_costs=False`` and none stored): the batch starts with
+            `PLAIN_FIRST_ROUNDS` plain rounds, timed, so that its windows have a rate to beat, and
+            its rows propose at most `BLIND_LENGTH` tokens, each such round judged alone, until
+            proposing has been seen to pay (``cap``).
         step_costs: the proposing level's own forward cost, ``seconds(k)`` (its model's curve; None
             for a `Drafter`, whose proposals are priced as free): with ``target_costs``, the up-front check.
     """
@@ -53,7 +63,13 @@ class BatchGate:
     def __init__(self, rows: int, target_costs: CostEstimate | None = None, step_costs: CostEstimate | None = None):
         self.target_costs = target_costs
         self.backoff = BackOff()
-        if target_costs is not None and not proposing_can_pay(rows, target_costs, step_costs):
+        # without a curve nothing prices a round before it is timed: plain rounds first, then single
+        # rounds of short proposals, until one window shows that proposing pays
+        self.window = WINDOW if target_costs is not None else 1
+        self.cap: int | None = None if target_costs is not None else BLIND_LENGTH
+        if target_costs is None:
+            self.backoff.pause(PLAIN_FIRST_ROUNDS)
+        elif not proposing_can_pay(rows, target_costs, step_costs):
             self.backoff.pause(MAX_BACKOFF_ROUNDS)
         self.rounds = 0
         self.window_tokens = self.window_seconds = 0.0
@@ -77,7 +93,7 @@ class BatchGate:
         self.window_tokens += tokens
         self.window_seconds += seconds
         self.window_rounds += 1
-        if self.window_rounds < WINDOW:
+        if self.window_rounds < self.window:
             return
         rate = self.window_tokens / max(self.window_seconds, 1e-12)
         self.window_tokens = self.window_seconds = 0.0
@@ -85,6 +101,8 @@ class BatchGate:
         plain = self.plain_rate(rows)
         if plain is None or rate >= MARGIN * plain:
             self.backoff.reset()
+            if plain is not None:  # proposing was seen to pay: the rows' schedules decide their lengths
+                self.window, self.cap = WINDOW, None
         else:
             self.backoff.pause()
 
