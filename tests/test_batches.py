@@ -11,6 +11,7 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 
 import hf_polybasic as hp
 from hf_polybasic.chain import ChainParts, Verifier
+from hf_polybasic.drafters import PromptLookup
 from hf_polybasic.drafting import ModelDrafter
 from hf_polybasic.integration import make_generate
 from hf_polybasic.testing import EOS, PAD, prompt
@@ -333,3 +334,37 @@ def test_a_batch_sat_out_from_the_start_never_prefills_the_drafter(shared_models
                               return_dict_in_generate=True)
     assert out.sequences.shape[0] == 4
     assert out.polybasic_stats.levels[1].forward_passes == 0
+
+
+# --- statistics as a second oracle -------------------------------------------------------------------
+COUNTS = ("verifications", "drafted", "accepted", "proposed")
+
+
+@pytest.mark.parametrize("schedule", ["constant", "heuristic"])
+@pytest.mark.parametrize("chain_shape", ["2 models", "3 models", "4 models", "2 models + lookup", "3 models + lookup"])
+def test_a_batchs_counts_per_level_are_the_sum_of_its_rows_decoded_alone(chain_shape, schedule, shared_models):
+    """Under a schedule that looks only at the row's own history (constant; heuristic, whose lengths
+    differ from row to row, so rows stop drafting at different steps) every row of a batch runs
+    exactly the rounds it runs alone, so each level's verifications, drafted, accepted and proposed
+    tokens add up over the rows. Outputs cannot show a level below the target going wrong (its
+    mistakes only lower acceptance); these counts do."""
+    depth = int(chain_shape[0])
+    target, *assistants = shared_models.chain("llama", depth, seed=78)
+    if "lookup" in chain_shape:
+        assistants = [*assistants, PromptLookup(max_ngram=2, num_tokens=3)]
+    prompts = [prompt(3 + (4 * row) % 7, seed=500 + row)[0].repeat(2) for row in range(5)]  # repeats: lookups hit
+    ids, mask = left_padded(prompts)
+    plain = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=20, eos_token_id=EOS,
+                            pad_token_id=PAD)
+    eos = int(plain[1, ids.shape[1] + 7])  # a token a row produces mid-output ends rows at different lengths
+    options = dict(do_sample=False, max_new_tokens=20, eos_token_id=[eos, EOS], pad_token_id=PAD,
+                   custom_generate=hp.generate, assistant_models=assistants, return_dict_in_generate=True,
+                   polybasic_config=hp.PolybasicConfig(num_draft_tokens=3, block_threshold=4, schedule=schedule))
+    batch = target.generate(ids, attention_mask=mask, **options).polybasic_stats
+    alone = [target.generate(p[None], **options).polybasic_stats for p in prompts]
+    for index, level in enumerate(batch.levels):
+        for count in COUNTS:
+            assert getattr(level, count) == sum(getattr(stats.levels[index], count) for stats in alone), (
+                f"{level.name}: {count}")
+        assert sorted(level.acceptance_lengths) == sorted(n for s in alone for n in s.levels[index].acceptance_lengths)
+    assert_every_level_took_part(batch, rejections=False)
