@@ -125,8 +125,10 @@ class CachedModel:
         self.compactions = 0
         self.cost_observer = None
         self.input_vocabulary = input_vocabulary_size(model)
-        # ids reaching an assistant come from the target's output, narrower than its embedding: no check
-        self._ids_need_check = vocab_limit is None or self.input_vocabulary < vocab_limit
+        # ids reaching a model come from the prompt and the target's output: only an assistant that
+        # embeds fewer ids than the target emits can meet one it lacks (the target itself fails on
+        # an id beyond its embedding exactly as plain generate does)
+        self._ids_need_check = vocab_limit is not None and self.input_vocabulary < vocab_limit
         self._accepts_logits_to_keep = compat.accepts_logits_to_keep(model)
 
     @property

@@ -21,7 +21,7 @@ greedy output), for any number of levels, any K and any mu.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -36,27 +36,36 @@ from .protocol import Block, Level, Proposal
 from .schedule import BatchGate, Schedule, make_schedule
 from .stats import LevelStats, PolybasicStats
 from .timing import DEFAULT_CLOCK, Clock, timed
-from .verify import greedy_verify, speculative_verify
+from .verify import greedy_decision, speculative_decision
 
 
 @dataclass
 class Round:
     """One verification: the tokens emitted and the verifier's rows for them.
 
-    tokens: [m] emitted ids (accepted drafts, then the verifier's own token);
-    scores: [m, V] processed scores they were chosen from; logits: [m, V] raw logits.
+    tokens: [m] emitted ids (accepted drafts, then the verifier's own token), on the device; ids:
+    the same as host ints; scores: [m, V] processed scores they were chosen from; logits: [m, V]
+    raw logits; confidences: the verifier's processed probability of each token, when its level
+    asked for them (`Verifier.confidences`).
     """
 
     tokens: torch.LongTensor
     scores: torch.Tensor
     logits: torch.Tensor
+    ids: list[int] = field(default_factory=list)
+    confidences: list[float] | None = None
 
 
 class Verifier:
     """A model that verifies the proposals of the level below it, for every row asked, in one forward.
 
     ``samples=False`` verifies by argmax even when the target samples (an intermediate level with
-    ``verification="greedy"``). ``rules`` are per row.
+    ``verification="greedy"``). ``rules`` are per row. ``confidences``: each round also reports the
+    verifier's probability of every token it emits (an intermediate level whose schedule stops
+    blocks by confidence sets it).
+
+    A round reads back from the device once for all its rows (every row's number of accepted drafts
+    and next token), twice with ``confidences``: never per token or per row.
     """
 
     def __init__(
@@ -71,37 +80,57 @@ class Verifier:
         self.runner, self.child, self.rules, self.stats = runner, child, rules, stats
         self.samples = samples
         self.clock = clock
+        self.confidences = False
 
     def verify(self, requests: dict[int, tuple[torch.LongTensor, int]]) -> dict[int, Round]:
         """``{row: (sequence, budget)}``: ask the child for each row's proposal, score them all in one
         forward pass, keep what is accepted. Emits between 1 and ``budget`` tokens per row (the child
         proposes at most one fewer)."""
         proposals = self.child.propose({row: (sequence, budget - 1) for row, (sequence, budget) in requests.items()})
-        rounds, kept = {}, {}
         with self.stats.timed(self.clock) as span:
             candidates = {row: torch.cat([requests[row][0], proposals[row].tokens]) for row in requests}
             logits = self.runner.logits_rows({row: (candidates[row], len(proposals[row]) + 1) for row in requests})
-            for row, (sequence, _) in requests.items():
-                rounds[row], kept[row] = self._accept(row, sequence, proposals[row], candidates[row], logits[row])
+            scores = {
+                row: process_positions(self.rules[row].processors, candidates[row], sequence.shape[0],
+                                       logits[row].to(sequence.device))  # [k + 1, V]
+                for row, (sequence, _) in requests.items()
+            }
+            decisions = torch.stack([self._decide(proposals[row], scores[row]) for row in requests]).tolist()
+            rounds, kept = {}, {}
+            for (row, (sequence, _)), (accepted, next_token) in zip(requests.items(), decisions):
+                rounds[row] = self._round(proposals[row], accepted, next_token, scores[row], logits[row])
+                kept[row] = accepted
+            if self.confidences:
+                self._read_confidences(rounds)
             self.runner.rollback_rows({row: requests[row][0].shape[0] + count for row, count in kept.items()})
         # each row's share of the forward the rows shared, split evenly as `BatchShare` prices it (the
         # whole forward's seconds would make every row's overhead look like the other rows' work)
         self.child.verified(kept, span.seconds / len(kept))
         return rounds
 
-    def _accept(self, row, sequence, proposal, candidates, logits) -> tuple[Round, int]:
-        """The one place a row's drafts are accepted (`hf_polybasic.verify`): (its round, accepted)."""
-        start = sequence.shape[0]
-        logits = logits.to(sequence.device)  # [k + 1, V]
-        scores = process_positions(self.rules[row].processors, candidates, start, logits)  # [k + 1, V]
+    def _decide(self, proposal: Proposal, scores: torch.Tensor) -> torch.Tensor:
+        """The one place a row's drafts are accepted (`hf_polybasic.verify`): ``[accepted, next token]``
+        on the device."""
         if self.samples:
-            draft_probs = None if proposal.probs is None else proposal.probs.to(scores.device)
-            accepted, next_token = speculative_verify(proposal.tokens, draft_probs, scores.softmax(-1))
-        else:
-            accepted, next_token = greedy_verify(proposal.tokens, scores)
+            return speculative_decision(proposal.tokens, proposal.probs, scores.softmax(-1))
+        return greedy_decision(proposal.tokens, scores)
+
+    def _round(self, proposal: Proposal, accepted: int, next_token: int, scores, logits) -> Round:
         self.stats.record_verification(len(proposal), accepted)
         tokens = torch.cat([proposal.tokens[:accepted], proposal.tokens.new_tensor([next_token])])
-        return Round(tokens=tokens, scores=scores[: accepted + 1], logits=logits[: accepted + 1]), accepted
+        ids = (proposal.tokens[:accepted].tolist() if proposal.ids is None else proposal.ids[:accepted]) + [next_token]
+        return Round(tokens=tokens, scores=scores[: accepted + 1], logits=logits[: accepted + 1], ids=ids)
+
+    @staticmethod
+    def _read_confidences(rounds: dict[int, Round]) -> None:
+        """Each round's processed probability of each of its tokens, read back for all rows at once."""
+        picked = [r.scores.softmax(-1).gather(1, r.tokens.to(r.scores.device).unsqueeze(1)).squeeze(1)
+                  for r in rounds.values()]
+        values = torch.cat(picked).tolist()
+        start = 0
+        for round_ in rounds.values():
+            round_.confidences = values[start : start + len(round_.ids)]
+            start += len(round_.ids)
 
     def rollback_to(self, lengths: dict[int, int]) -> None:
         """Forget everything about each row's tokens past its length, here and in every level below."""
@@ -139,6 +168,7 @@ class IntermediateLevel(ScheduledRows):
         self.verifier, self.schedules, self.clock = verifier, schedules, clock
         self.exact_size = exact_size
         self.stats = verifier.stats
+        verifier.confidences = any(schedule.stops_per_token for schedule in schedules.values())
 
     def propose(self, requests: dict[int, tuple[torch.LongTensor, int]]) -> dict[int, Proposal]:
         blocks, thresholds, building = {}, {}, []
@@ -163,19 +193,17 @@ class IntermediateLevel(ScheduledRows):
     def _extend(self, row: int, block: Block, round_: Round, threshold: int) -> bool:
         """Add a round's tokens to the row's block; whether the row goes on building."""
         schedule = self.schedules[row]
-        samples = self.verifier.samples
-        probs = round_.scores.softmax(-1) if samples or schedule.stops_per_token else None
+        probs = round_.scores.softmax(-1) if self.verifier.samples else None
         before = block.size
-        kept = block.extend(round_.tokens, probs if samples else None)
-        if schedule.stops_per_token and self._stop_within(schedule, block, before, round_.tokens[:kept], probs[:kept]):
+        kept = block.extend(round_.tokens, probs, ids=round_.ids)
+        if schedule.stops_per_token and self._stop_within(schedule, block, before, round_.confidences[:kept]):
             return False
         return not block.closed and block.size < threshold
 
     @staticmethod
-    def _stop_within(schedule, block: Block, before: int, tokens: torch.LongTensor, probs: torch.Tensor) -> bool:
+    def _stop_within(schedule, block: Block, before: int, confidences: list[float]) -> bool:
         """Ask the schedule, token by token, whether to go on after each new token (its confidence:
         this level's probability of it); on the first no, end the block right after that token."""
-        confidences = probs.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()
         for index, confidence in enumerate(confidences):
             if not block.closed and not schedule.keep_drafting(confidence):
                 block.truncate(before + index + 1)

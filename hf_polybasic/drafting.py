@@ -7,6 +7,8 @@ top-k/top-p/temperature) or nothing for point masses (greedy drafts, n-gram look
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from .cache import CachedModel
@@ -18,6 +20,18 @@ from .stats import LevelStats
 from .timing import DEFAULT_CLOCK, Clock, timed
 
 PROBABILITY_SUM_TOLERANCE = 1e-3
+
+
+@dataclass
+class Draw:
+    """One token a model drafted for a row, still on the device: the token ``[1]``, the distribution
+    reported for it (``[1, V]`` when sampling, else None), its probability when asked, and whether
+    the processed scores it came from had any finite value."""
+
+    token: torch.LongTensor
+    probs: torch.Tensor | None
+    confidence: torch.Tensor | None
+    valid: torch.Tensor
 
 
 class ScheduledRows:
@@ -83,32 +97,82 @@ class ModelDrafter(ScheduledRows):
             self._starts[row] = sequence.shape[0]
             if not blocks[row].closed:
                 drafting.append(row)
+        # tokens drawn and not read back yet: read after every step only where a schedule stops by
+        # confidence, else once when every row has drafted its length (EOS cuts the block then)
+        drawn: dict[int, list[Draw]] = {row: [] for row in drafting}
+        stepwise = any(self.schedules[row].stops_per_token for row in drafting)
         catch_up = 0.0  # seconds spent feeding tokens decided while this level sat out or was rolled back
         with self.stats.timed(self.clock) as span:
             while drafting:
-                grown = {row: torch.cat([requests[row][0], blocks[row].tokens]) for row in drafting}
+                grown = {row: torch.cat([requests[row][0], blocks[row].tokens, *(d.token for d in drawn[row])])
+                         for row in drafting}
                 behind = max(grown[row].shape[0] - self.runner.lengths[row] for row in drafting)
                 with timed(self.clock) as forward:
                     logits = self.runner.logits_rows({row: (grown[row], 1) for row in drafting})
                 if behind > 1:
                     catch_up += forward.seconds * (behind - 1) / behind
-                drafting = [row for row in drafting if self._draft_one(row, grown[row], logits[row], blocks[row])]
+                for row in drafting:
+                    drawn[row].append(self._draw(row, grown[row], logits[row], stepwise))
+                if stepwise:
+                    drafting = self._keep_step(blocks, drawn, drafting)
+                else:
+                    drafting = [row for row in drafting if blocks[row].size + len(drawn[row]) < blocks[row].budget]
+            if not stepwise:
+                self._keep_all(blocks, drawn)
         self._observe(blocks, span.seconds - catch_up)
         return {row: block.proposal() for row, block in blocks.items()}
 
-    def _draft_one(self, row: int, grown: torch.LongTensor, logits: torch.Tensor, block: Block) -> bool:
-        """Draw the row's next token into its block; whether the row drafts another."""
-        schedule = self.schedules[row]
-        stops_per_token = schedule.stops_per_token
+    def _draw(self, row: int, grown: torch.LongTensor, logits: torch.Tensor, confidence: bool) -> Draw:
+        """The row's next token, drawn on the device: its processed distribution's argmax, or a sample
+        of it; with ``confidence``, its probability. A position where the processors leave no
+        finite score (a constraint outside what this model proposes) draws nothing valid."""
         logits = logits.to(grown.device)  # [1, V]
         scores = process_positions(self.rules[row].processors, grown, grown.shape[0], logits)
-        probs = scores.softmax(-1) if self.samples or stops_per_token else None
+        valid = torch.isfinite(scores).any()
+        probs = None
+        if self.samples or confidence:
+            probs = scores.softmax(-1)
+            probs = torch.where(valid, probs, torch.ones_like(probs) / probs.shape[-1])  # never NaN to draw from
         token = torch.multinomial(probs, 1)[0] if self.samples else scores.argmax(-1)  # [1]
-        block.extend(token, self.proposal_probs(probs, logits) if self.samples else None)
-        # the token just drawn is kept whatever it is; only whether to draw another depends on it
-        if block.closed:
-            return False
-        return not stops_per_token or schedule.keep_drafting(float(probs[0, token]))
+        reported = self.proposal_probs(probs, logits) if self.samples else None
+        return Draw(token, reported, probs[0, token] if confidence else None, valid)
+
+    def _keep_step(self, blocks: dict[int, Block], drawn: dict[int, list[Draw]], rows: list[int]) -> list[int]:
+        """Read the latest draw of every row back (one read for all: token, validity, confidence), add
+        it to the row's block; the rows that draft another."""
+        latest = [drawn[row].pop() for row in rows]
+        values = torch.stack([torch.stack([d.token[0].double(), d.valid.double(), d.confidence.reshape(()).double()])
+                              for d in latest]).tolist()
+        going = []
+        for row, draw, (token, valid, confidence) in zip(rows, latest, values):
+            if not valid:
+                continue
+            block = blocks[row]
+            block.extend(draw.token, draw.probs, ids=[int(token)])
+            # the token just drawn is kept whatever it is; only whether to draw another depends on it
+            if not block.closed and self.schedules[row].keep_drafting(confidence):
+                going.append(row)
+        return going
+
+    def _keep_all(self, blocks: dict[int, Block], drawn: dict[int, list[Draw]]) -> None:
+        """Read every row's draws back at once and add them to the blocks, each up to its first
+        invalid draw (`Block.extend` cuts after an EOS)."""
+        rows = [row for row in drawn if drawn[row]]
+        if not rows:
+            return
+        values = torch.cat([torch.stack([torch.cat([d.token for d in drawn[row]]),
+                                         torch.stack([d.valid for d in drawn[row]]).long()])
+                            for row in rows], dim=1).tolist()
+        start = 0
+        for row in rows:
+            count = len(drawn[row])
+            tokens, valid = values[0][start : start + count], values[1][start : start + count]
+            start += count
+            usable = valid.index(0) if 0 in valid else count
+            if usable:
+                probs = [d.probs for d in drawn[row][:usable]]
+                blocks[row].extend(torch.cat([d.token for d in drawn[row][:usable]]),
+                                   torch.cat(probs) if self.samples else None, ids=tokens[:usable])
 
     def proposal_probs(self, probs: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         """What is reported upward for a sampled token: the processed distribution it was drawn from."""

@@ -64,15 +64,12 @@ def decode(
     while live := [row for row in prompts if row not in finished and sequences[row].shape[0] < max_lengths[row]]:
         started = clock()
         rounds = top.verify({row: (sequences[row], max_lengths[row] - sequences[row].shape[0]) for row in live})
-        kept = {}
+        kept = first_stops(rounds, sequences, stopping_criteria)
         for row, round_ in rounds.items():
-            kept[row] = round_.tokens.shape[0]
-            for j in range(kept[row]):
-                grown = torch.cat([sequences[row], round_.tokens[: j + 1]]).unsqueeze(0)
-                if bool(stopping_criteria(grown, round_.scores[j : j + 1]).any()):
-                    kept[row] = j + 1
-                    finished.add(row)
-                    break
+            if kept[row] is None:
+                kept[row] = len(round_.ids)
+            else:
+                finished.add(row)
             sequences[row] = torch.cat([sequences[row], round_.tokens[: kept[row]]])
         # a stop inside the round leaves accepted drafts past the output in the caches: cut them, so
         # every cache holds the output minus its last token when committed
@@ -93,6 +90,23 @@ def decode(
     for row, prompt in prompts.items():
         results[row].tokens = sequences[row][prompt.shape[0] :]
     return results
+
+
+def first_stops(rounds: dict, sequences: dict[int, torch.LongTensor], stopping_criteria: StoppingCriteriaList) -> dict:
+    """Per row, how many of its round's tokens to keep when a stopping criterion fires at one of
+    them (the first that fires, counted from 1), else None. Every criterion sees each token's prefix
+    and scores, as in plain `generate`; the verdicts of all rows and tokens are read back at once."""
+    flags, owners = [], []
+    for row, round_ in rounds.items():
+        for j in range(len(round_.ids)):
+            grown = torch.cat([sequences[row], round_.tokens[: j + 1]]).unsqueeze(0)
+            flags.append(stopping_criteria(grown, round_.scores[j : j + 1]).any().to(grown.device))
+            owners.append((row, j + 1))
+    stops = {row: None for row in rounds}
+    for (row, count), stop in zip(owners, torch.stack(flags).tolist() if flags else []):
+        if stop and stops[row] is None:
+            stops[row] = count
+    return stops
 
 
 def row_by_row_reason(target: torch.nn.Module, assistants: list, use_cache: bool = True) -> str | None:

@@ -44,6 +44,7 @@ class Proposal:
 
     tokens: torch.LongTensor
     probs: torch.Tensor | None = None
+    ids: list[int] | None = None  # the tokens as host ints, when the level read them back
 
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
@@ -59,6 +60,7 @@ class Block:
         self.eos_token_ids = eos_token_ids
         self.budget = max(int(budget), 0)
         self._tokens: list[torch.LongTensor] = [torch.empty(0, dtype=torch.long, device=device)]
+        self._ids: list[int] = []  # the same tokens on the host
         self._probs: list[torch.Tensor] = []
         self.size = 0
         self.ended = False  # an EOS was added
@@ -76,9 +78,10 @@ class Block:
             self._tokens = [torch.cat(self._tokens)]
         return self._tokens[0]
 
-    def extend(self, tokens: torch.LongTensor, probs: torch.Tensor | None = None) -> int:
+    def extend(self, tokens: torch.LongTensor, probs: torch.Tensor | None = None, ids: list[int] | None = None) -> int:
         """Add ``tokens`` ``[j]`` (and their ``probs`` ``[j, V]``), cut after the first EOS and at
-        the budget; returns how many were kept."""
+        the budget; returns how many were kept. ``ids``: the same tokens as host ints, when the
+        caller has them (else they are read back here, to find an EOS)."""
         if self.closed or tokens.shape[0] == 0:
             return 0
         if self._sampled is None:
@@ -86,12 +89,14 @@ class Block:
         elif self._sampled != (probs is not None):
             raise ValueError("a block takes probabilities for every piece or for none")
         keep = min(int(tokens.shape[0]), self.budget - self.size)
-        for index, token in enumerate(tokens[:keep].tolist()):
+        ids = (tokens[:keep].tolist() if ids is None else ids)[:keep]
+        for index, token in enumerate(ids):
             if token in self.eos_token_ids:
                 keep = index + 1
                 self.ended = True
                 break
         self._tokens.append(tokens[:keep].to(self._tokens[0].device))
+        self._ids.extend(ids[:keep])
         if probs is not None:
             self._probs.append(probs[:keep])
         self.size += keep
@@ -103,14 +108,20 @@ class Block:
         if size >= self.size:
             return
         self._tokens = [self.tokens[:size]]
+        del self._ids[size:]
         if self._probs:
             self._probs = [torch.cat(self._probs)[:size]]
         self.size = size
-        self.ended = bool(size) and int(self._tokens[0][-1]) in self.eos_token_ids
+        self.ended = bool(size) and self._ids[-1] in self.eos_token_ids
+
+    @property
+    def ids(self) -> list[int]:
+        """``[size]`` the tokens so far, as host ints."""
+        return list(self._ids)
 
     def proposal(self) -> Proposal:
         probs = torch.cat(self._probs) if self._probs else None
-        return Proposal(self.tokens, probs)
+        return Proposal(self.tokens, probs, list(self._ids))
 
 
 class Level(Protocol):

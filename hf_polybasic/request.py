@@ -241,34 +241,38 @@ def resolve_config(polybasic_config, generation_config) -> PolybasicConfig:
 def check_position_ids(position_ids: torch.Tensor | None, rows: list[torch.LongTensor]) -> None:
     """Raise unless ``position_ids`` are the ones the chain uses anyway: each row's tokens numbered
     0, 1, ... after its left padding (what `generate` derives from the attention mask when the
-    call gives none). Custom positions would be dropped, so they are refused."""
+    call gives none). Custom positions would be dropped, so they are refused. (One read back from
+    the device for all rows.)"""
     if position_ids is None:
         return
     position_ids = position_ids.reshape(-1, position_ids.shape[-1]) if position_ids.dim() > 1 else position_ids[None]
-    for index, row in enumerate(rows):
-        given = position_ids[min(index, position_ids.shape[0] - 1)]
-        width = min(given.shape[0], row.shape[0])
-        expected = torch.arange(row.shape[0] - width, row.shape[0], device=given.device)
-        if not torch.equal(given[given.shape[0] - width :].long(), expected):
+    width = position_ids.shape[-1]
+    lengths = torch.tensor([row.shape[0] for row in rows], device=position_ids.device)
+    given = position_ids.long().expand(len(rows), -1) if position_ids.shape[0] == 1 else position_ids[: len(rows)].long()
+    expected = lengths[:, None] - width + torch.arange(width, device=position_ids.device)  # [rows, width]
+    if not bool(((given != expected) & (expected >= 0)).any()):
+        return
+    for index, row in enumerate(rows):  # the error path: find the row to name
+        own = given[index][max(width - row.shape[0], 0) :]
+        if not torch.equal(own, expected[index][max(width - row.shape[0], 0) :]):
             raise ValueError(
                 f"custom `position_ids` are not supported by hf_polybasic (row {index} ends with positions "
-                f"{given[given.shape[0] - width :].tolist()[-8:]}, not {expected.tolist()[-8:]}): every model of the "
-                "chain numbers a row's tokens 0, 1, ... after its left padding, as generate does from attention_mask; "
-                "leave position_ids out"
+                f"{own.tolist()[-8:]}, not {expected[index][max(width - row.shape[0], 0):].tolist()[-8:]}): every "
+                "model of the chain numbers a row's tokens 0, 1, ... after its left padding, as generate does from "
+                "attention_mask; leave position_ids out"
             )
 
 
 def row_prompts(input_ids: torch.LongTensor, attention_mask: torch.Tensor | None) -> list[torch.LongTensor]:
-    """Each row without its left padding, as ``[L_b]``."""
+    """Each row without its left padding, as ``[L_b]`` (one read back from the device for all rows)."""
     if attention_mask is None:
         return [input_ids[b] for b in range(input_ids.shape[0])]
-    rows = []
-    for b in range(input_ids.shape[0]):
-        mask = attention_mask[b].bool()
-        if bool((mask[1:].int() < mask[:-1].int()).any()) or not bool(mask[-1]):
-            raise ValueError(
-                "hf_polybasic needs left padding for batched prompts (attention_mask of the form 0..0 1..1); "
-                "set tokenizer.padding_side = 'left'"
-            )
-        rows.append(input_ids[b, int((~mask).sum()) :])
-    return rows
+    mask = attention_mask.bool()
+    malformed = (mask[:, 1:].int() < mask[:, :-1].int()).any(-1) | ~mask[:, -1]  # [B]
+    padding = torch.stack([malformed.long(), (~mask).sum(-1)]).tolist()
+    if any(padding[0]):
+        raise ValueError(
+            "hf_polybasic needs left padding for batched prompts (attention_mask of the form 0..0 1..1); "
+            "set tokenizer.padding_side = 'left'"
+        )
+    return [input_ids[b, pad:] for b, pad in enumerate(padding[1])]

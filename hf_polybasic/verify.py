@@ -12,8 +12,9 @@ Vocabulary used throughout the package:
 * **next token**: the one token the verifier adds itself after the accepted ones: the *recovered*
   token after a rejection, or the *bonus* token when all k were accepted.
 
-Every function returns ``(num_accepted, next_token)``; the level emits
-``draft_ids[:num_accepted] + [next_token]``.
+Every ``*_decision`` function returns the tensor ``[num_accepted, next_token]`` on the scores'
+device (a level reads the decisions of all its rows back in one go), every ``*_verify`` function
+the same as a pair of ints; the level emits ``draft_ids[:num_accepted] + [next_token]``.
 
 Why the output is distributed exactly as p (Leviathan et al. 2023, Thm. 1): at a position with
 proposal q, the token x ~ q is kept with probability min(1, p(x)/q(x)), otherwise a token is drawn
@@ -32,7 +33,12 @@ import torch
 
 def count_leading_true(mask: torch.Tensor) -> int:
     """Length of the run of True at the start of a 1-D bool tensor."""
-    return int((~mask).cumsum(-1).eq(0).sum())
+    return int(leading_true(mask))
+
+
+def leading_true(mask: torch.Tensor) -> torch.Tensor:
+    """`count_leading_true` as a 0-d long tensor on ``mask``'s device (no read back to the host)."""
+    return (~mask).cumsum(-1).eq(0).sum()
 
 
 def _gather_draft_probability(probs: torch.Tensor, draft_ids: torch.Tensor) -> torch.Tensor:
@@ -61,28 +67,79 @@ def align_vocabulary(probs: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return torch.nn.functional.pad(probs, (0, vocab_size - width))
 
 
-def greedy_verify(draft_ids: torch.Tensor, target_scores: torch.Tensor) -> tuple[int, int]:
+# --- decisions as tensors: ``[2]`` = (num_accepted, next_token), computed where the scores are -------
+def greedy_decision(draft_ids: torch.Tensor, target_scores: torch.Tensor) -> torch.Tensor:
     """Greedy match: accept drafts while they equal the verifier's argmax.
 
-    draft_ids: [k]; target_scores: [k + 1, V] (processed logits or probabilities).
+    draft_ids: [k]; target_scores: [k + 1, V] (processed logits or probabilities) -> [2].
     """
     choice = target_scores.argmax(-1)  # [k + 1]
     k = draft_ids.shape[0]
-    num_accepted = count_leading_true(draft_ids == choice[:k])
-    return num_accepted, int(choice[num_accepted])
+    num_accepted = leading_true(draft_ids.to(choice.device) == choice[:k])
+    return torch.stack([num_accepted, choice[num_accepted]])
+
+
+def point_mass_decision(
+    draft_ids: torch.Tensor, target_probs: torch.Tensor, generator: torch.Generator | None = None
+) -> torch.Tensor:
+    """Lossless rule for deterministic drafts: draw y ~ p at each position, keep d while y == d.
+
+    draft_ids: [k]; target_probs: [k + 1, V] -> [2].
+    """
+    drawn = torch.multinomial(target_probs, 1, generator=generator).squeeze(-1)  # [k + 1]
+    k = draft_ids.shape[0]
+    num_accepted = leading_true(draft_ids.to(drawn.device) == drawn[:k])
+    return torch.stack([num_accepted, drawn[num_accepted]])
+
+
+def speculative_decision(
+    draft_ids: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    target_probs: torch.Tensor,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """Speculative sampling (Leviathan et al. 2023, Alg. 1); ``draft_probs=None`` is a point mass.
+
+    draft_ids: [k]; draft_probs: [k, V_draft] or None; target_probs: [k + 1, V] -> [2].
+    The proposal must be exactly the distribution the drafts were drawn from (processed, not raw).
+    Branch-free: the next token is drawn from row ``num_accepted`` of max(p - q', 0) with q' = q and
+    a zero row appended (so all k accepted leaves the bonus row p[k]), or of p itself when p == q up
+    to rounding leaves no residual mass.
+    """
+    if draft_probs is None:
+        return point_mass_decision(draft_ids, target_probs, generator)
+    k = draft_ids.shape[0]
+    vocab = target_probs.shape[-1]
+    draft_ids = draft_ids.to(target_probs.device)
+    q = align_vocabulary(draft_probs.to(target_probs.device), vocab)  # [k, V]
+    p_draft = _gather_draft_probability(target_probs[:k], draft_ids)  # [k]
+    q_draft = _gather_draft_probability(draft_probs.to(target_probs.device), draft_ids)  # [k]
+    coins = torch.rand(k, device=target_probs.device, dtype=target_probs.dtype, generator=generator)
+    # accept iff u < p/q, written without the division. A token drawn from q has q > 0; one reported
+    # with q = 0 cannot have been drawn from it and is rejected (so is any token with p = 0)
+    num_accepted = leading_true((q_draft > 0) & (coins * q_draft < p_draft))
+    at = num_accepted.view(1)
+    p_row = target_probs.index_select(0, at)[0]  # [V]
+    q_row = torch.cat([q, q.new_zeros(1, vocab)]).index_select(0, at)[0]
+    residual = (p_row - q_row).clamp_min(0)
+    next_distribution = torch.where(residual.sum() > 0, residual, p_row)
+    next_token = torch.multinomial(next_distribution, 1, generator=generator)[0]
+    return torch.stack([num_accepted, next_token])
+
+
+# --- the same as ints, for callers on the host -------------------------------------------------------
+def greedy_verify(draft_ids: torch.Tensor, target_scores: torch.Tensor) -> tuple[int, int]:
+    """`greedy_decision` as ``(num_accepted, next_token)``."""
+    accepted, token = greedy_decision(draft_ids, target_scores).tolist()
+    return accepted, token
 
 
 def point_mass_verify(
     draft_ids: torch.Tensor, target_probs: torch.Tensor, generator: torch.Generator | None = None
 ) -> tuple[int, int]:
-    """Lossless rule for deterministic drafts: draw y ~ p at each position, keep d while y == d.
-
-    draft_ids: [k]; target_probs: [k + 1, V].
-    """
-    drawn = torch.multinomial(target_probs, 1, generator=generator).squeeze(-1)  # [k + 1]
-    k = draft_ids.shape[0]
-    num_accepted = count_leading_true(draft_ids == drawn[:k])
-    return num_accepted, int(drawn[num_accepted])
+    """`point_mass_decision` as ``(num_accepted, next_token)``."""
+    accepted, token = point_mass_decision(draft_ids, target_probs, generator).tolist()
+    return accepted, token
 
 
 def speculative_verify(
@@ -91,27 +148,6 @@ def speculative_verify(
     target_probs: torch.Tensor,
     generator: torch.Generator | None = None,
 ) -> tuple[int, int]:
-    """Speculative sampling (Leviathan et al. 2023, Alg. 1); ``draft_probs=None`` is a point mass.
-
-    draft_ids: [k]; draft_probs: [k, V_draft] or None; target_probs: [k + 1, V].
-    The proposal must be exactly the distribution the drafts were drawn from (processed, not raw).
-    """
-    if draft_probs is None:
-        return point_mass_verify(draft_ids, target_probs, generator)
-    k = draft_ids.shape[0]
-    vocab = target_probs.shape[-1]
-    q = align_vocabulary(draft_probs, vocab)  # [k, V]
-    p_draft = _gather_draft_probability(target_probs[:k], draft_ids)  # [k]
-    q_draft = _gather_draft_probability(draft_probs, draft_ids)  # [k]
-    coins = torch.rand(k, device=target_probs.device, dtype=target_probs.dtype, generator=generator)
-    # accept iff u < p/q, written without the division. A token drawn from q has q > 0; one reported
-    # with q = 0 cannot have been drawn from it and is rejected (so is any token with p = 0)
-    num_accepted = count_leading_true((q_draft > 0) & (coins * q_draft < p_draft))
-    if num_accepted == k:
-        next_distribution = target_probs[k]
-    else:
-        residual = (target_probs[num_accepted] - q[num_accepted]).clamp_min(0)
-        # p == q up to rounding leaves no residual mass; p itself is then the exact answer
-        next_distribution = residual if float(residual.sum()) > 0 else target_probs[num_accepted]
-    next_token = int(torch.multinomial(next_distribution, 1, generator=generator))
-    return num_accepted, next_token
+    """`speculative_decision` as ``(num_accepted, next_token)``."""
+    accepted, token = speculative_decision(draft_ids, draft_probs, target_probs, generator).tolist()
+    return accepted, token
