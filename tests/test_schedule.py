@@ -435,3 +435,22 @@ def test_the_batch_gate_backs_off_when_the_batchs_rounds_lose_by_the_clock():
     for _ in range(WINDOW):  # the same rounds now beat the plain rounds this call timed
         gate.observe_round(8, 0.3, 4)
     assert not gate.paused and gate.backoff.stretch == FIRST_BACKOFF_ROUNDS
+
+
+def test_a_batch_that_rows_left_is_priced_again_as_the_smaller_batch_it_is():
+    """A machine flat up to 8 tokens: 8 rows cannot draft, 2 rows can; when 6 rows are done and leave,
+    the gate decides afresh and lets the 2 left draft (what the larger batch timed is dropped)."""
+    knee, drafter = _estimate(lambda k: 0.1 * max(1.0, k / 8)), _estimate(lambda k: 0.01)
+    gate = BatchGate(8, knee, drafter)
+    assert gate.paused
+    gate.observe_round(40, 5.0, 8)  # the prefill
+    gate.observe_round(8, 0.1, 8)  # a plain round of 8 rows, timed
+    assert gate.plain_seconds > 0 and gate.paused
+    gate.observe_round(2, 0.1, 2)  # six rows left
+    assert not gate.paused and gate.plain_seconds == 0 and gate.backoff.paused_rounds >= 1
+    gate.observe_round(2, 0.1, 1)  # one row: drafting pays even more
+    assert not gate.paused
+    steep = BatchGate(2, _estimate(lambda k: 0.1 * k), drafter)
+    steep.observe_round(10, 1.0, 2)
+    steep.observe_round(2, 0.1, 1)  # a compute-bound machine: not even one row pays
+    assert steep.paused

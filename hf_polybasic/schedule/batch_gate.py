@@ -15,8 +15,10 @@ row does when not even perfect acceptance could pay. Then a `BatchGate` times wh
 in rounds with proposals, against the same in rounds without (plain batched decoding, measured in
 the same call; until a plain round is seen, the target's cost curve for a forward of one token per
 row). After `WINDOW` rounds with proposals it either lets them go on or sits the whole batch out
-(`BackOff`: a stretch of plain rounds that doubles while the windows after it still lose). Every
-row's schedule of the level under the target consults it (`CostAwareSchedule.length`).
+(`BackOff`: a stretch of plain rounds that doubles while the windows after it still lose). When
+rows are done and leave, the batch is a smaller one: the curves decide afresh (a forward of fewer
+rows stays memory-bound for more tokens each, so drafting may pay where it did not). Every row's
+schedule of the level under the target consults it (`CostAwareSchedule.length`).
 
 Lossless like every schedule: it only decides, from past timings, whether the next round proposes.
 """
@@ -61,7 +63,8 @@ class BatchGate:
     """
 
     def __init__(self, rows: int, target_costs: CostEstimate | None = None, step_costs: CostEstimate | None = None):
-        self.target_costs = target_costs
+        self.target_costs, self.step_costs = target_costs, step_costs
+        self.rows = rows
         self.backoff = BackOff()
         # without a curve nothing prices a round before it is timed: plain rounds first, then single
         # rounds of short proposals, until one window shows that proposing pays
@@ -83,6 +86,8 @@ class BatchGate:
     def observe_round(self, tokens: int, seconds: float, rows: int) -> None:
         """The batch's last round: its ``rows`` live rows emitted ``tokens`` tokens in ``seconds``."""
         self.rounds += 1
+        if rows != self.rows:
+            self._rows_left(rows)
         if self.rounds == 1:  # it holds the prompts' prefill
             return
         if self.backoff.paused:
@@ -105,6 +110,22 @@ class BatchGate:
                 self.window, self.cap = WINDOW, None
         else:
             self.backoff.pause()
+
+    def _rows_left(self, rows: int) -> None:
+        """Rows that were done left the batch: it is a smaller batch now, which may pay where the larger
+        one did not (a forward of fewer rows stays memory-bound for more tokens each). What was timed
+        for the larger batch is dropped, and the curves decide afresh where there are curves."""
+        self.rows = rows
+        self.window_tokens = self.window_seconds = 0.0
+        self.window_rounds = 0
+        self.plain_seconds = self.plain_rounds = 0.0
+        if self.target_costs is None:
+            return
+        paused_rounds = self.backoff.paused_rounds
+        self.backoff = BackOff()
+        self.backoff.paused_rounds = paused_rounds
+        if not proposing_can_pay(rows, self.target_costs, self.step_costs):
+            self.backoff.pause(MAX_BACKOFF_ROUNDS)
 
     def plain_rate(self, rows: int) -> float | None:
         """Tokens per second of plain batched decoding with ``rows`` live rows: timed in this call's
