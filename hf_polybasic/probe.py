@@ -28,12 +28,14 @@ import torch
 from . import compat
 from .cache import CachedModel, input_vocabulary_size, model_label
 
-# A probe's logits count as different from the reference when they are off by more than this share
-# of the reference's largest logit AND by more than this share of what a model that loses the
-# probe's context would be off by: rounding of a half-precision forward over a different number of
-# tokens, and dynamic int8 quantization (whose activation scale depends on every token of a forward),
-# stay below both; a model that drops its past or its positions reaches the second.
-TOLERANCE = 0.02
+# A probe's logits count as different from the reference when they are off by more than a share of
+# the reference's largest logit (`TOLERANCE`, by the model's dtype: the rounding of a forward over a
+# different number of tokens or rows stays far below it) AND by more than `NULL_SHARE` of what a
+# model that loses the probe's context would be off by (dynamic int8 quantization, whose activation
+# scale depends on every token of a forward, stays below that; a model that drops its past or its
+# positions reaches it).
+TOLERANCE = {torch.float32: 1e-3, torch.float64: 1e-6}
+HALF_TOLERANCE = 0.02  # bfloat16, float16 and anything else
 NULL_SHARE = 0.25
 
 _cache_problems: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -61,14 +63,19 @@ def _probe_ids(model: torch.nn.Module, count: int, seed: int) -> torch.LongTenso
     return torch.randint(low, high, (count,), generator=generator).to(model.device)
 
 
-def _differs(value: torch.Tensor, reference: torch.Tensor, null: torch.Tensor) -> bool:
+def _tolerance(model: torch.nn.Module) -> float:
+    dtypes = {parameter.dtype for parameter in model.parameters() if parameter.is_floating_point()}
+    return max((TOLERANCE.get(dtype, HALF_TOLERANCE) for dtype in dtypes), default=HALF_TOLERANCE)
+
+
+def _differs(value: torch.Tensor, reference: torch.Tensor, null: torch.Tensor, tolerance: float) -> bool:
     """Whether ``value`` differs from ``reference`` beyond rounding; ``null`` is what the model gives
     without the context (the same tokens fed alone), the error of a model that loses it."""
     if not bool(torch.isfinite(value).all()):
         return True
     error = float((value - reference).abs().max())
     lost = float((null - reference).abs().max())
-    return error > TOLERANCE * max(float(reference.abs().max()), 1e-6) and error > NULL_SHARE * lost
+    return error > tolerance * max(float(reference.abs().max()), 1e-6) and error > NULL_SHARE * lost
 
 
 def _full_logits(model: torch.nn.Module, sequence: torch.LongTensor, count: int) -> torch.Tensor:
@@ -95,7 +102,7 @@ def _check_cache(model: torch.nn.Module) -> str | None:
             if runner.cache.get_seq_length() != sequence.shape[0]:
                 return "it does not keep its past in the cache it is given (past_key_values stays empty)"
             null = _full_logits(model, sequence[-fed:], count)
-            if _differs(logits, _full_logits(model, sequence, count), null):
+            if _differs(logits, _full_logits(model, sequence, count), null, _tolerance(model)):
                 return (
                     "its logits for tokens fed on top of its cache differ from a full forward's (it needs its whole "
                     "input at every step, or mishandles a cut cache)"
@@ -138,9 +145,11 @@ def _check_rows(model: torch.nn.Module) -> tuple[str | None, str | None]:
             f"{model_label(model)} has windowed attention (layer {index}: {kind}), whose window counts cache slots, "
             "holes of other rows included"
         ), None
-    a, b = _probe_ids(model, 8, seed=2), _probe_ids(model, 6, seed=3)
-    steps = [{0: (a[:3], 1), 1: (b[:2], 1)}, {0: (a[:6], 3), 1: (b[:3], 1)}, {0: (a[:8], 3), 1: (b[:6], 2)}]
-    rolled_back = {0: 4}  # after the second step: a hole inside row 0's cache
+    # wide holes inside both rows (a model that reads positions or distances off the slots is then
+    # far off): row 1 feeds 1 token while row 0 feeds 10, then row 0 rolls 6 back and both go on
+    a, b = _probe_ids(model, 16, seed=2), _probe_ids(model, 8, seed=3)
+    steps = [{0: (a[:2], 1), 1: (b[:2], 1)}, {0: (a[:12], 3), 1: (b[:3], 1)}, {0: (a[:16], 3), 1: (b[:8], 3)}]
+    rolled_back = {0: 6}  # after the second step
     try:
         together = CachedModel(model, compat.new_dynamic_cache(model), role=model_label(model), rows=2)
         alone = [CachedModel(model, compat.new_dynamic_cache(model), role=model_label(model)) for _ in range(2)]
@@ -149,7 +158,7 @@ def _check_rows(model: torch.nn.Module) -> tuple[str | None, str | None]:
             logits = together.logits_rows(step)
             for row, (sequence, count) in step.items():
                 null = _full_logits(model, sequence[-fed[row]:], count)
-                if _differs(logits[row], alone[row].logits(sequence, count), null):
+                if _differs(logits[row], alone[row].logits(sequence, count), null, _tolerance(model)):
                     return None, (
                         f"{model_label(model)} gives a row of a batch other logits than the row alone (it takes "
                         "positions from the cache's layout rather than position_ids, or attends across holes)"

@@ -50,6 +50,14 @@ def cpm_ant():
     return tf.CpmAntForCausalLM(config).eval()
 
 
+def mpt():
+    """ALiBi biases by physical key slots (it takes no position_ids): holes shift a row's biases."""
+    torch.manual_seed(0)
+    return _scaled(tf.MptForCausalLM(tf.MptConfig(vocab_size=VOCAB, d_model=32, n_layers=2, n_heads=4,
+                                                  max_seq_len=128, pad_token_id=PAD, eos_token_id=EOS,
+                                                  use_cache=True)))  # MPT's config turns its cache off by default
+
+
 def llama4(chunk: int = 4):
     """Chunked attention, backed by transformers' sliding-window cache layer."""
     torch.manual_seed(0)
@@ -106,15 +114,26 @@ def test_a_forward_that_fails_on_a_filled_cache_is_a_refusal_not_a_crash():
 def test_models_that_decode_on_their_cache_pass_the_probe(shared_models):
     for arch in ("llama", "qwen2", "gemma3"):
         assert probe.cache_problem(shared_models.chain(arch, 2, seed=7)[0]) is None
+        half = make_chain(arch, 1, seed=7)[0].to(torch.bfloat16)
+        assert probe.cache_problem(half) is None and (arch == "gemma3" or probe.rows_problem(half) is None)
     assert probe.cache_problem(trocr()) is None and probe.cache_problem(llama4()) is None
 
 
-def test_a_model_that_ignores_position_ids_decodes_a_batch_row_by_row_with_the_reason():
-    target = trocr()
+@pytest.mark.parametrize("build", [trocr, mpt], ids=["TrOCR", "MPT"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_model_that_reads_positions_off_its_cache_decodes_a_batch_row_by_row_with_the_reason(build, dtype):
+    """TrOCR takes positions from the cache's length, MPT's ALiBi biases keys by their slots (found by
+    the oracle test: rows differed from plain generate once a round rejected drafts)."""
+    target = build().to(dtype)
+    name = type(target).__name__
+    assert f"{name} gives a row of a batch other logits" in probe.rows_problem(target)
+    if dtype == torch.bfloat16:
+        return
+    target = build()
     draft = noisy_copy(target, 0.1, seed=2)
     prompts = [prompt(n, seed=n)[0] for n in (3, 7, 5)]
     ids, mask = left_padded(prompts)
-    with pytest.warns(UserWarning, match="row by row .*TrOCRForCausalLM gives a row of a batch other logits"):
+    with pytest.warns(UserWarning, match=f"row by row .*{name} gives a row of a batch other logits"):
         out = _chain_call(target, [draft], ids, mask)
     for row, p in enumerate(prompts):
         alone = target.generate(p[None], **OPTIONS)[0, p.shape[0] :]
