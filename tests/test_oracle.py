@@ -164,6 +164,9 @@ class Case:
     top_p: float
     seed: int
     output_scores: bool = False  # compare the processed scores too, position by position
+    min_p: float | None = None
+    verification: str = "auto"  # PolybasicConfig.verification: "greedy" makes sampled intermediate levels argmax
+    measure_costs: bool = True  # PolybasicConfig.measure_costs (False: the cost-aware schedule has no curves)
 
     @property
     def rows(self) -> int:
@@ -237,6 +240,9 @@ def _cases(arch: str, do_sample: bool):
             top_p=draw(st.sampled_from([1.0, 0.9, 0.6])),
             seed=draw(st.integers(0, 2**31 - 1)),
             output_scores=draw(st.booleans()),
+            min_p=draw(st.sampled_from([None, None, 0.05])),
+            verification=draw(st.sampled_from(["auto", "greedy"])),
+            measure_costs=draw(st.sampled_from([True, True, False])),
         )
 
     return draw_case()
@@ -375,7 +381,8 @@ def resolve(case: Case, models: tuple) -> Resolved:
     if case.bottom == "lookup":
         chain.append(PromptLookup(num_tokens=case.lookup_tokens))
     config = hp.PolybasicConfig(num_draft_tokens=case.k, block_threshold=case.mu, schedule=case.schedule,
-                                prompt_lookup=case.bottom == "added")
+                                prompt_lookup=case.bottom == "added", verification=case.verification,
+                                measure_costs=case.measure_costs)
 
     def budget_options(padding: int) -> dict:
         """The length budget of a row with ``padding`` pad tokens (the batch's width: padding 0)."""
@@ -392,6 +399,8 @@ def resolve(case: Case, models: tuple) -> Resolved:
         options["no_repeat_ngram_size"] = case.no_repeat_ngram_size
     if case.do_sample:
         options.update(do_sample=True, temperature=case.temperature, top_k=case.top_k, top_p=case.top_p)
+        if case.min_p is not None:
+            options["min_p"] = case.min_p
     else:
         options.update(do_sample=False)
 
@@ -400,7 +409,8 @@ def resolve(case: Case, models: tuple) -> Resolved:
     picks_needed = case.bad_words or case.sequence_bias or case.eos.startswith("picked") or case.stop_pick
     reference = []
     if picks_needed:
-        greedy = {key: value for key, value in options.items() if key not in ("temperature", "top_k", "top_p")}
+        warpers = ("temperature", "top_k", "top_p", "min_p")
+        greedy = {key: value for key, value in options.items() if key not in warpers}
         out = target.generate(ids, attention_mask=mask, max_new_tokens=case.budget, eos_token_id=EOS,
                               **{**greedy, "do_sample": False})
         for new in out[:, case.width :].tolist():
