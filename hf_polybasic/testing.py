@@ -10,16 +10,9 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
-from transformers import (
-    Gemma3ForCausalLM,
-    Gemma3TextConfig,
-    LlamaConfig,
-    LlamaForCausalLM,
-    Qwen2Config,
-    Qwen2ForCausalLM,
-)
 
 VOCAB = 96
 EOS = 2
@@ -27,7 +20,167 @@ BOS = 1
 PAD = 0
 
 
-def _config(arch: str, vocab: int = VOCAB, layers: int = 2, sliding_window: int = 6, tied: bool = False, **extra):
+@dataclass(frozen=True)
+class TinyArchitecture:
+    """One entry of `TINY_ARCHITECTURES`: a transformers causal LM and how to make a tiny config of it.
+
+    Attributes:
+        model_class, config_class: names in ``transformers`` (an architecture a release lacks is
+            `available` False there, and tests skip it).
+        attention: the attention kind it proves: "full", "sliding" (every layer windowed),
+            "sliding+full" (windowed and full layers mixed), "chunked+full" (Llama 4: chunked
+            attention, which transformers caches in its sliding-window layer, and NoPE full layers),
+            "alibi" (a bias by key distance, no position embeddings), "learned absolute"
+            (position embeddings looked up by ``position_ids``).
+        moe: whether its feed-forward layers are mixtures of experts.
+        tied: whether the output layer is the input embedding by default.
+        fields: the llama-style common fields (see `_config`) -> this config's keyword arguments.
+        weight_scale, logit_scale: what `tiny_chain` multiplies the layers' weights and the output
+            layer by, so that this architecture's random outputs are peaked (the most likely token
+            has ~0.2-0.6 of the mass) and not degenerate (a tied head at initialization mostly
+            repeats the input token: its layers are scaled up until they dominate the residual).
+    """
+
+    model_class: str
+    config_class: str
+    attention: str
+    fields: Callable[[dict], dict]
+    moe: bool = False
+    tied: bool = False
+    weight_scale: float = 1.0
+    logit_scale: float = 24.0
+
+    @property
+    def available(self) -> bool:
+        import transformers
+
+        return getattr(transformers, self.model_class, None) is not None and getattr(
+            transformers, self.config_class, None) is not None
+
+
+def _llama_like(common: dict) -> dict:
+    return dict(common)
+
+
+def _windowed(layer_types: Callable[[int], list[str]] | None = None, **fixed) -> Callable[[dict], dict]:
+    """Fields of a model with a sliding window (``common["sliding_window"]`` tokens, far shorter than
+    the outputs); ``layer_types(layers)`` gives its per-layer attention kinds, when it has them."""
+
+    def fields(common: dict) -> dict:
+        out = {**common, **fixed}
+        if layer_types is not None:
+            out["layer_types"] = layer_types(out["num_hidden_layers"])
+        return out
+
+    return fields
+
+
+def _alternating(layers: int) -> list[str]:
+    return ["sliding_attention", "full_attention"] * (layers // 2) + ["sliding_attention"] * (layers % 2)
+
+
+def _without_window(common: dict) -> dict:
+    return {key: value for key, value in common.items() if key != "sliding_window"}
+
+
+def _llama4_text(common: dict) -> dict:
+    # chunks of 4 tokens on the RoPE layers, NoPE full attention on the others; every layer MoE
+    layers = common["num_hidden_layers"]
+    return dict(
+        _without_window(common), head_dim=8, intermediate_size_mlp=64, num_local_experts=4, num_experts_per_tok=1,
+        attention_chunk_size=common["sliding_window"] - 2, no_rope_layers=[int(i % 2 == 0) for i in range(layers)],
+        interleave_moe_layer_step=1, attn_temperature_tuning=True, floor_scale=8,
+    )
+
+
+def _mixtral(common: dict) -> dict:
+    return dict(_without_window(common), num_local_experts=4, num_experts_per_tok=2)
+
+
+def _qwen_moe(common: dict) -> dict:
+    return dict(
+        _without_window(common), num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        shared_expert_intermediate_size=32, decoder_sparse_step=1,
+    )
+
+
+def _qwen3_moe(common: dict) -> dict:
+    return dict(_without_window(common), head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                decoder_sparse_step=1)
+
+
+def _ids(common: dict) -> dict:
+    return {key: common[key] for key in ("vocab_size", "bos_token_id", "eos_token_id", "pad_token_id",
+                                         "tie_word_embeddings")}
+
+
+def _bloom(common: dict) -> dict:
+    return dict(_ids(common), hidden_size=common["hidden_size"], n_layer=common["num_hidden_layers"],
+                n_head=common["num_attention_heads"])
+
+
+def _mpt(common: dict) -> dict:
+    return dict(
+        _ids(common), d_model=common["hidden_size"], n_heads=common["num_attention_heads"],
+        n_layers=common["num_hidden_layers"], expansion_ratio=2, max_seq_len=common["max_position_embeddings"],
+        use_cache=True, attn_config={"alibi": True},
+    )
+
+
+def _gpt2(common: dict) -> dict:
+    return dict(
+        _ids(common), n_embd=common["hidden_size"], n_layer=common["num_hidden_layers"],
+        n_head=common["num_attention_heads"], n_inner=common["intermediate_size"],
+        n_positions=common["max_position_embeddings"],
+    )
+
+
+def _opt(common: dict) -> dict:
+    return dict(
+        _ids(common), hidden_size=common["hidden_size"], num_hidden_layers=common["num_hidden_layers"],
+        ffn_dim=common["intermediate_size"], num_attention_heads=common["num_attention_heads"],
+        max_position_embeddings=common["max_position_embeddings"], word_embed_proj_dim=common["hidden_size"],
+    )
+
+
+# Every attention kind transformers has, in tiny random models (`tiny_chain(name)`; `make_target(name)`
+# and `make_chain(name)` build them with the legacy scales)
+TINY_ARCHITECTURES: dict[str, TinyArchitecture] = {
+    "llama": TinyArchitecture("LlamaForCausalLM", "LlamaConfig", "full", _without_window),
+    "qwen2": TinyArchitecture("Qwen2ForCausalLM", "Qwen2Config", "full", _without_window),
+    "mistral": TinyArchitecture("MistralForCausalLM", "MistralConfig", "sliding", _windowed()),
+    "gemma2": TinyArchitecture("Gemma2ForCausalLM", "Gemma2Config", "sliding+full",
+                               _windowed(_alternating, head_dim=8, query_pre_attn_scalar=8)),
+    "gemma3": TinyArchitecture("Gemma3ForCausalLM", "Gemma3TextConfig", "sliding+full",
+                               _windowed(_alternating, head_dim=8)),
+    "cohere2": TinyArchitecture("Cohere2ForCausalLM", "Cohere2Config", "sliding+full",
+                                _windowed(_alternating, logit_scale=1.0), tied=True, weight_scale=24, logit_scale=16),
+    "llama4": TinyArchitecture("Llama4ForCausalLM", "Llama4TextConfig", "chunked+full", _llama4_text, moe=True),
+    "mixtral": TinyArchitecture("MixtralForCausalLM", "MixtralConfig", "full", _mixtral, moe=True),
+    "qwen2-moe": TinyArchitecture("Qwen2MoeForCausalLM", "Qwen2MoeConfig", "full", _qwen_moe, moe=True),
+    "qwen3-moe": TinyArchitecture("Qwen3MoeForCausalLM", "Qwen3MoeConfig", "full", _qwen3_moe, moe=True, tied=True,
+                                  weight_scale=32, logit_scale=16),
+    "bloom": TinyArchitecture("BloomForCausalLM", "BloomConfig", "alibi", _bloom, tied=True, weight_scale=32,
+                              logit_scale=16),
+    "mpt": TinyArchitecture("MptForCausalLM", "MptConfig", "alibi", _mpt, tied=True, weight_scale=24, logit_scale=16),
+    "gpt2": TinyArchitecture("GPT2LMHeadModel", "GPT2Config", "learned absolute", _gpt2, tied=True, weight_scale=24,
+                             logit_scale=16),
+    "opt": TinyArchitecture("OPTForCausalLM", "OPTConfig", "learned absolute", _opt, tied=True, weight_scale=24,
+                            logit_scale=16),
+}
+
+
+def _config(arch: str, vocab: int = VOCAB, layers: int = 2, sliding_window: int = 6, tied: bool | None = None, **extra):
+    """(model class, config) of a tiny ``arch`` (a key of `TINY_ARCHITECTURES`): hidden size 32, 4 heads
+    (2 key/value heads where the architecture has them), ``layers`` layers, a window of
+    ``sliding_window`` tokens where it has one; ``tied`` None is the architecture's default."""
+    import transformers
+
+    if arch not in TINY_ARCHITECTURES:
+        raise ValueError(f"unknown tiny architecture {arch!r}; choose one of {sorted(TINY_ARCHITECTURES)}")
+    entry = TINY_ARCHITECTURES[arch]
+    if not entry.available:
+        raise ValueError(f"tiny architecture {arch!r} needs transformers.{entry.model_class}, which this release lacks")
     common = dict(
         vocab_size=vocab,
         hidden_size=32,
@@ -39,29 +192,35 @@ def _config(arch: str, vocab: int = VOCAB, layers: int = 2, sliding_window: int 
         bos_token_id=BOS,
         eos_token_id=EOS,
         pad_token_id=PAD,
-        tie_word_embeddings=tied,
+        tie_word_embeddings=entry.tied if tied is None else tied,
+        sliding_window=sliding_window,
     )
-    common.update(extra)  # e.g. hidden_size=128 for 4-bit layers, which quantize groups of 128 features
-    if arch == "llama":
-        return LlamaForCausalLM, LlamaConfig(**common)
-    if arch == "qwen2":
-        return Qwen2ForCausalLM, Qwen2Config(**common)
-    if arch == "gemma3":
-        # every other layer is sliding-window with a window far shorter than the generations
-        return Gemma3ForCausalLM, Gemma3TextConfig(
-            **common, head_dim=8, sliding_window=sliding_window, layer_types=["sliding_attention", "full_attention"] * (layers // 2)
-        )
-    raise ValueError(f"unknown tiny architecture {arch!r}; choose 'llama', 'qwen2' or 'gemma3'")
+    # llama-style names are mapped to the architecture's own (e.g. hidden_size=128 for 4-bit layers, which
+    # quantize groups of 128 features); any other keyword is the architecture's own field, passed as is
+    common.update({key: value for key, value in extra.items() if key in common})
+    own = {key: value for key, value in extra.items() if key not in common}
+    config_class = getattr(transformers, entry.config_class)
+    return getattr(transformers, entry.model_class), config_class(**{**entry.fields(common), **own})
 
 
-def make_target(arch: str = "llama", seed: int = 0, vocab: int = VOCAB, logit_scale: float = 4.0, **extra):
-    """A random target whose output layer is scaled up, so its distributions are peaked
-    (``tied=True``: the output layer is the input embedding, as in Qwen2.5 and Gemma 3)."""
+def make_target(
+    arch: str = "llama", seed: int = 0, vocab: int = VOCAB, logit_scale: float = 4.0, weight_scale: float = 1.0, **extra
+):
+    """A random target whose output layer is scaled up by ``logit_scale``, so its distributions are
+    peaked (``tied=True``: the output layer is the input embedding, as in Qwen2.5 and Gemma 3, and is
+    scaled with it), and whose other weights (every matrix but the embeddings) are scaled by
+    ``weight_scale``. ``arch``: a key of `TINY_ARCHITECTURES`."""
     cls, config = _config(arch, vocab=vocab, **extra)
     torch.manual_seed(seed)
     model = cls(config).eval()
     with torch.no_grad():
-        model.lm_head.weight.mul_(logit_scale)
+        head = model.get_output_embeddings().weight
+        if weight_scale != 1.0:
+            embeddings = model.get_input_embeddings().weight
+            for parameter in model.parameters():
+                if parameter.dim() >= 2 and parameter is not head and parameter is not embeddings:
+                    parameter.mul_(weight_scale)
+        head.mul_(logit_scale)
     model.generation_config.pad_token_id = PAD
     model.generation_config.eos_token_id = EOS
     model.generation_config.bos_token_id = BOS
@@ -95,6 +254,15 @@ def make_chain(arch: str = "llama", depth: int = 3, seed: int = 0, **extra):
     """[target, M2, ..., M_depth] with noise growing down the chain."""
     target = make_target(arch, seed=seed, **extra)
     noises = [0.05, 0.2, 0.4, 0.6]
+    return [target] + [noisy_copy(target, noises[i], seed + 100 + i) for i in range(depth - 1)]
+
+
+def tiny_chain(arch: str, depth: int = 4, seed: int = 0, noises: tuple[float, ...] = (0.02, 0.08, 0.25), **extra):
+    """[target, M2, ..., M_depth] of architecture ``arch`` at its `TinyArchitecture` scales (peaked,
+    non-degenerate outputs), the copies with the noise of ``noises`` (growing down the chain), so
+    drafts are sometimes accepted and sometimes rejected."""
+    entry = TINY_ARCHITECTURES[arch]
+    target = make_target(arch, seed=seed, logit_scale=entry.logit_scale, weight_scale=entry.weight_scale, **extra)
     return [target] + [noisy_copy(target, noises[i], seed + 100 + i) for i in range(depth - 1)]
 
 
