@@ -153,20 +153,15 @@ class IntermediateLevel(ScheduledRows):
     level below until the row's block holds at least mu tokens (its schedule's length), an EOS or the
     budget, or its schedule ends it after a token; rows still building share each round's forward.
 
-    ``exact_size``: blocks hold at most the schedule's length (the level stands for a bottom drafter
-    proposing K tokens, below which `PolybasicConfig.prompt_lookup` put a `PromptLookup`).
-
     Each round asks its verifier for one token more than the block has room for, so the level below
     drafts up to the budget (in a chain of n models every level drafts as soon as 2 tokens remain);
     `Block.extend` cuts the surplus, which can only be the verifier's own token (the cut block is
     still an autoregressive sample of this level's distribution, and its cache never held that token).
     """
 
-    def __init__(self, verifier: Verifier, schedules: dict[int, Schedule], clock: Clock = DEFAULT_CLOCK,
-                 exact_size: bool = False):
+    def __init__(self, verifier: Verifier, schedules: dict[int, Schedule], clock: Clock = DEFAULT_CLOCK):
         super().__init__()
         self.verifier, self.schedules, self.clock = verifier, schedules, clock
-        self.exact_size = exact_size
         self.stats = verifier.stats
         verifier.confidences = any(schedule.stops_per_token for schedule in schedules.values())
 
@@ -174,8 +169,6 @@ class IntermediateLevel(ScheduledRows):
         blocks, thresholds, building = {}, {}, []
         for row, (sequence, budget) in requests.items():
             thresholds[row] = self.schedules[row].length()
-            if self.exact_size:  # a block of exactly its length, as a drafter's K (cutting a prefix stays exact)
-                budget = min(budget, thresholds[row])
             blocks[row] = Block(self.verifier.rules[row].eos_token_ids, budget, sequence.device)
             self._starts[row] = sequence.shape[0]
             if not blocks[row].closed and thresholds[row] > 0:
@@ -352,10 +345,11 @@ def build_chain(
         # below a greedy intermediate level, sampled drafts would only lower its acceptance
         samples = do_sample and not (greedy_intermediates and bottom > 1)
         level = parts.model_drafter(runners[bottom], rules, stats.levels[bottom], schedules[bottom], samples, clock)
-    # a PromptLookup the config added below the bottom model: that model keeps handing up K tokens
-    # per round (now as blocks it verified), and the caller's mu stay with the levels they were for
+    # a PromptLookup the config added below the bottom model (drafting K tokens, `with_prompt_lookup`):
+    # that model is an intermediate level now, with the config's last mu
     added = int(isinstance(models[bottom], AddedPromptLookup))
-    thresholds = config.thresholds_for(bottom - 1 - added) + (config.num_draft_tokens,) * added
+    thresholds = config.thresholds_for(bottom - 1 - added)
+    thresholds += (thresholds[-1] if thresholds else config.last_threshold,) * added
     for index in range(bottom - 1, 0, -1):  # intermediate levels, bottom-up
         samples = do_sample and not greedy_intermediates
         verifier = parts.verifier(runners[index], level, rules, stats.levels[index], samples, clock)
@@ -367,8 +361,6 @@ def build_chain(
             config.schedule, thresholds[index - 1], MAX_BLOCK_THRESHOLD, per_token=True,
             verifier_costs=shared[index - 1], step_seconds=step, static_check=False,
             gate=gate if index == 1 else None))
-        # the model above an added PromptLookup stands for the bottom drafter: blocks of exactly K
-        exact_size = bool(added) and index == bottom - 1
-        level = parts.intermediate(verifier, schedules[index], clock, exact_size=exact_size)
+        level = parts.intermediate(verifier, schedules[index], clock)
     top = parts.verifier(runners[0], level, rules, stats.levels[0], do_sample, clock)
     return Chain(top, stats, runners, schedules, estimates, gate)

@@ -58,9 +58,10 @@ class PolybasicConfig:
         prompt_lookup: True puts a `hf_polybasic.drafters.PromptLookup` below the *model* at the bottom
             of the chain: a free level that drafts by copying what followed the last few tokens
             earlier in the prompt or the text so far. The chain's last model then verifies those
-            copies in one forward instead of drafting token by token (it still hands up K tokens
-            per round: blocks of ``num_draft_tokens`` it verified); the cost-aware schedule sits
-            the level out where its copies are not accepted. It pays where outputs copy their input
+            copies in one forward instead of drafting token by token; under the constant and
+            heuristic schedules the lookup drafts K tokens per round and that model, now an
+            intermediate level, hands up blocks of the config's last mu; the cost-aware schedule
+            sizes both itself and sits the lookup out where its copies are not accepted. It pays where outputs copy their input
             (code edits, summaries, retrieval); off by default because elsewhere the extra level costs
             more than it saves (docs: Benchmarks). A chain whose bottom already is a `Drafter` is
             left alone.
@@ -105,6 +106,12 @@ class PolybasicConfig:
             raise ValueError(f"PolybasicConfig.prompt_lookup must be True or False, got {self.prompt_lookup!r}")
         if not isinstance(self.measure_costs, bool):
             raise ValueError(f"PolybasicConfig.measure_costs must be True or False, got {self.measure_costs!r}")
+
+    @property
+    def last_threshold(self) -> int:
+        """The mu of the weakest intermediate level (an int's value, else the sequence's last)."""
+        mu = self.block_threshold
+        return mu if isinstance(mu, int) else mu[-1]
 
     def thresholds_for(self, num_intermediate_levels: int) -> tuple[int, ...]:
         """mu for each intermediate level, strongest first; errors if a sequence has the wrong length."""

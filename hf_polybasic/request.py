@@ -24,6 +24,9 @@ from .vocabulary import as_id_list, check_chain_vocabularies
 # model_kwargs that `generate` prepares and the engine understands (it recomputes positions per row)
 HANDLED_MODEL_KWARGS = frozenset({"attention_mask", "past_key_values", "use_cache", "logits_to_keep", "position_ids"})
 UNSUPPORTED_OUTPUTS = ("output_attentions", "output_hidden_states")
+# the longest draft of the PromptLookup that PolybasicConfig(prompt_lookup=True) adds, under the
+# cost-aware schedule (which shortens it as acceptance says); the other schedules draft K
+ADDED_LOOKUP_TOKENS = 8
 
 
 @dataclass(frozen=True)
@@ -144,12 +147,14 @@ def _target_caches(target, rows: int, use_cache: bool, given) -> list:
 
 def with_prompt_lookup(assistants: list, config: PolybasicConfig) -> list:
     """``assistants`` with a `PromptLookup` below the bottom model when the config asks for one
-    (`PolybasicConfig.prompt_lookup`); a Drafter at the bottom already is left alone. The former
-    bottom model, now an intermediate level, keeps K: its blocks hold ``num_draft_tokens`` tokens
-    (under the constant and heuristic schedules; the cost-aware one sizes them itself)."""
+    (`PolybasicConfig.prompt_lookup`); a Drafter at the bottom already is left alone. The lookup is
+    the chain's bottom drafter: it drafts K tokens per round (``num_draft_tokens``; under the
+    cost-aware schedule up to `ADDED_LOOKUP_TOKENS`, which the schedule shortens as acceptance
+    says), and the former bottom model, now an intermediate level, gets the config's last mu."""
     if not config.prompt_lookup or isinstance(assistants[-1], Drafter):
         return assistants
-    return [*assistants, AddedPromptLookup()]
+    tokens = ADDED_LOOKUP_TOKENS if config.schedule == "cost_aware" else config.num_draft_tokens
+    return [*assistants, AddedPromptLookup(num_tokens=tokens)]
 
 
 def validate_assistant_models(target, assistant_models, tokenizer=None) -> list:

@@ -284,19 +284,26 @@ def test_batched_forwards_do_not_correct_the_one_row_cost_curve(shared_models):
     assert estimate.observed == 1
 
 
-def test_prompt_lookup_keeps_k_per_target_verification(shared_models):
-    """PolybasicConfig(prompt_lookup=True, K=2, constant): the former bottom model hands up blocks
-    of K tokens (it got mu = 32: 30 drafts per target verification)."""
-    target, draft = shared_models.chain("llama", 2, seed=77)
+@pytest.mark.parametrize("k, mu", [(2, 5), (3, (6,))])
+def test_prompt_lookup_keeps_k_and_the_configs_last_mu(k, mu, shared_models):
+    """PolybasicConfig(prompt_lookup=True) under the constant schedule: the added lookup drafts K
+    tokens per round and the model above it hands up blocks of the config's last mu (it got mu =
+    32: 30 drafts per target verification, and the lookup drafted its own 8)."""
+    depth = 2 if isinstance(mu, int) else 3
+    target, *assistants = shared_models.chain("llama", depth, seed=77)
     ids = prompt(6, seed=5).repeat(1, 3)  # a repetitive prompt: the lookup finds copies
-    out = target.generate(ids, custom_generate=hp.generate, assistant_models=[draft], do_sample=False,
+    out = target.generate(ids, custom_generate=hp.generate, assistant_models=assistants, do_sample=False,
                           max_new_tokens=40, eos_token_id=None, return_dict_in_generate=True,
-                          polybasic_config=hp.PolybasicConfig(prompt_lookup=True, num_draft_tokens=2,
-                                                              schedule="constant"))
+                          polybasic_config=hp.PolybasicConfig(prompt_lookup=True, num_draft_tokens=k,
+                                                              block_threshold=mu, schedule="constant"))
     assert torch.equal(out.sequences, target.generate(ids, do_sample=False, max_new_tokens=40, eos_token_id=None))
-    top = out.polybasic_stats.levels[0]
-    assert max(length - 1 for length in top.acceptance_lengths) <= 2
-    assert top.drafted <= 2 * top.verifications and top.drafted > top.verifications
+    levels = out.polybasic_stats.levels
+    last_mu = mu if isinstance(mu, int) else mu[-1]
+    lookup_verifier, model_above = levels[-2], levels[-3]
+    assert max(length - 1 for length in lookup_verifier.acceptance_lengths) <= k  # K per lookup draft
+    # blocks of at least mu, closed by the round that reached it: at most mu - 1 + K + 1 tokens
+    assert max(length - 1 for length in model_above.acceptance_lengths) <= last_mu + k
+    assert model_above.drafted >= model_above.verifications  # blocks were handed up
     assert_every_level_took_part(out.polybasic_stats, rejections=False, acceptances=False)
 
 

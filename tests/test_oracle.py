@@ -261,36 +261,7 @@ class Exemption:
 
 
 # Known defects being fixed (issue 24). Delete an entry when its fix lands: the test then guards it.
-PENDING_FIXES: list[Exemption] = [
-    Exemption(
-        "repetition_penalty with left padding",
-        "transformers 5.23 builds RepetitionPenaltyLogitsProcessor with a per-row prompt_ignore_length; the "
-        "per-row processors are not adapted: a batch crashes ('Incompatible prompt_ignore_length batch size'), "
-        "one left-padded row silently skips real prompt tokens",
-        lambda case: case.repetition_penalty is not None and case.padded,
-    ),
-    Exemption(
-        "chunked attention (Llama 4) in a batch",
-        "transformers backs chunked attention with its sliding-window cache layer, whose window counts physical "
-        "slots (holes included); supports_rows only refuses layer types named 'sliding': every row differs",
-        lambda case: TINY_ARCHITECTURES[case.arch].attention.startswith("chunked") and case.rows > 1,
-    ),
-    Exemption(
-        "MPT's ALiBi in a batch (found by this test)",
-        "MptModel biases attention by physical key slots (build_mpt_alibi_tensor over the cache length; it "
-        "takes no position_ids and ignores the mask's positions), so the holes of a shared batch cache "
-        "shift its biases: rows differ from plain generate once a round rejected drafts. Like TrOCR in "
-        "the issue: a model that ignores position_ids must decode a batch row by row",
-        lambda case: case.arch == "mpt" and case.rows > 1,
-    ),
-    Exemption(
-        "prompt_lookup=True ignores K and mu",
-        "the added PromptLookup drafts its own 8 tokens per round whatever num_draft_tokens says, and the model "
-        "above it gets mu = 32, not the config's last mu (30 drafted tokens per target verification)",
-        lambda case: case.bottom == "added",
-        skips="draft length",
-    ),
-]
+PENDING_FIXES: list[Exemption] = []
 
 # Inputs the engine may refuse (exception type, message pattern), each with the condition it needs.
 # Nothing else may raise. Empty: every input drawn here is one the engine must decode (a refusal is
