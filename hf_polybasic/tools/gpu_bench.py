@@ -192,8 +192,12 @@ def _options(max_new_tokens: int) -> dict:
     return dict(do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=None, pad_token_id=PAD)
 
 
-def _methods(target, draft, half, labels: dict, settings: GpuBenchSettings, drafter_seconds: float,
-             vocab: int) -> list[BenchMethod]:
+def _methods(bench: Bench, settings: GpuBenchSettings, drafter_seconds: float, vocab: int) -> list[BenchMethod]:
+    """The compared methods (K = ``num_draft_tokens`` for every drafter): plain generate,
+    transformers' assisted generation with the drafter exit, ours with the default configuration
+    over the exits (2 and 3 levels), and ours over the synthetic drafter with the constant schedule
+    (2 and 3 levels), whose fixed K the theory assumes."""
+    draft, half, labels = bench.models["draft"], bench.models["half"], bench.labels
     k = settings.num_draft_tokens
     default = PolybasicConfig(num_draft_tokens=k)
     constant = PolybasicConfig(num_draft_tokens=k, schedule="constant")
@@ -325,144 +329,86 @@ def run_gpu_bench(settings: GpuBenchSettings) -> dict:
         return _run(settings)
 
 
+@dataclass
+class Bench:
+    """What the phases share: the settings, the device, the models and the clock."""
+
+    settings: GpuBenchSettings
+    device: torch.device
+    budget: Budget
+    models: dict = field(default_factory=dict)  # "target", "half", "draft"
+    labels: dict = field(default_factory=dict)
+    layers: dict = field(default_factory=dict)
+    phases: dict = field(default_factory=dict)
+
+    @property
+    def cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    @property
+    def target(self) -> torch.nn.Module:
+        return self.models["target"]
+
+    def phase_done(self, name: str, started: float) -> None:
+        self.phases[name] = round(time.perf_counter() - started, 2)
+        _say(f"gpu-bench: {name} done in {self.phases[name]:.1f} s ({self.budget.elapsed():.0f} s so far)",
+             self.settings)
+
+
 def _run(settings: GpuBenchSettings) -> dict:
-    budget = Budget(settings.time_budget_s)
-    device = check_device(settings)
-    cuda = device.type == "cuda"
-    dtype = DTYPES[settings.dtype]
-    if not cuda and settings.shape == "tiny":
+    bench = Bench(settings, check_device(settings), Budget(settings.time_budget_s))
+    if not bench.cuda and settings.shape == "tiny":
         # tiny models gain nothing from intra-op threads, and on a small shared CPU their spin-waits
         # make every forward many times slower
         torch.set_num_threads(1)
-    phases: dict[str, float] = {}
 
-    def phase(name: str, started: float) -> None:
-        phases[name] = round(time.perf_counter() - started, 2)
-        _say(f"gpu-bench: {name} done in {phases[name]:.1f} s ({budget.elapsed():.0f} s so far)", settings)
-
-    # 1. build
     started = time.perf_counter()
-    text_layers = model_config(settings.shape)[1].num_hidden_layers
-    draft_layers = max(1, text_layers // 16)
-    target, construction = build_target(settings.shape, device, dtype, draft_layers, settings.draft_agreement,
-                                        settings.seed)
-    half_layers = text_layers // 2
-    draft, half = early_exit(target, draft_layers), early_exit(target, half_layers)
-    models = {"target": target, "half": half, "draft": draft}
-    labels = {"target": f"{settings.shape} target", "half": f"exit-{half_layers}", "draft": f"exit-{draft_layers}"}
-    synchronize((device,) if cuda else ())
-    weights_mib = torch.cuda.memory_allocated(device) / 2**20 if cuda else None
-    phase("build", started)
+    construction = _build(bench)
+    weights_mib = torch.cuda.memory_allocated(bench.device) / 2**20 if bench.cuda else None
+    bench.phase_done("build", started)
 
-    # 2. costs
     started = time.perf_counter()
-    curves = {name: measure_curve(model, tokens=settings.cost_tokens, repeats=3) for name, model in models.items()}
-    units = _units(settings, construction.vocab_size, device)
-    lengths = sorted({len(unit.prompts[0]) for unit in units if unit.batch == 1})
-    prefills = {
-        name: {n: forward_cost(model, torch.arange(1, device=device) + 3, n - 1, repeats=2) for n in lengths}
-        for name, model in models.items()
-    }
-    target_step = curves["target"].seconds(1)
-    drafter_seconds = settings.drafter_cost * target_step
-    phase("costs", started)
+    units = _units(settings, construction.vocab_size, bench.device)
+    curves, prefills = _costs(bench, sorted({len(u.prompts[0]) for u in units if u.batch == 1}))
+    drafter_seconds = settings.drafter_cost * curves["target"].seconds(1)
+    bench.phase_done("costs", started)
 
-    # 3. references
     started = time.perf_counter()
-    reference_seconds = {}
-    for unit in units:
-        timing = timed_call(lambda: target.generate(**unit.inputs, **_options(settings.max_new_tokens)), target=target,
-                            sample_rss=False)
-        width = unit.inputs["input_ids"].shape[1]
-        unit.references = timing.output[:, width:].tolist()
-        reference_seconds[unit.name] = timing.seconds
-    phase("references", started)
+    reference_seconds = _references(bench, units)
+    bench.phase_done("references", started)
 
-    # 4. agreement
     started = time.perf_counter()
     single = [unit for unit in units if unit.batch == 1]
-    agreement = {name: _agreement(model, single) for name, model in models.items()} if single else {}
-    phase("agreement", started)
+    agreement = {name: _agreement(model, single) for name, model in bench.models.items()} if single else {}
+    bench.phase_done("agreement", started)
 
-    # 5. warm-up
     started = time.perf_counter()
-    methods = _methods(target, draft, half, labels, settings, drafter_seconds, construction.vocab_size)
-    sizes_seen = set()
-    for unit in units:
-        if unit.batch in sizes_seen:
-            continue
-        sizes_seen.add(unit.batch)
-        for bm in _for_batch(methods, unit.batch):
-            _call(target, bm, unit, min(WARMUP_TOKENS, settings.max_new_tokens), cuda)
-    phase("warm-up", started)
+    methods = _methods(bench, settings, drafter_seconds, construction.vocab_size)
+    _warm_up(bench, methods, units)
+    bench.phase_done("warm-up", started)
 
-    # 6. timed repeats
     started = time.perf_counter()
-    runs: list[dict] = []
-    repeat_seconds = None
-    repeats_run, cut = 0, None
-    total_calls = settings.repeats * sum(len(_for_batch(methods, unit.batch)) for unit in units)
-    from tqdm.auto import tqdm
+    runs, repeats_run, cut = _timed(bench, methods, units, curves, prefills)
+    bench.phase_done("timed", started)
 
-    bar = tqdm(total=total_calls, desc="gpu-bench", unit="call", file=sys.stderr, disable=not settings.progress)
-    for repeat in range(settings.repeats):
-        if repeat > 0 and not budget.allows(repeat_seconds):
-            cut = (f"stopped after {repeat} of {settings.repeats} repeats: another would end past the "
-                   f"{settings.time_budget_s:.0f} s budget ({budget.elapsed():.0f} s elapsed, a repeat took "
-                   f"{repeat_seconds:.0f} s)")
-            _say(f"gpu-bench: {cut}", settings)
-            break
-        began = time.perf_counter()
-        for unit in units:
-            chosen = _for_batch(methods, unit.batch)
-            shift = repeat % len(chosen)
-            for bm in chosen[shift:] + chosen[:shift]:  # rotated: no method always runs first
-                record = _call(target, bm, unit, settings.max_new_tokens, cuda)
-                record.update(method=bm.method.name, unit=unit.name, batch=unit.batch, repeat=repeat,
-                              prompt_tokens=[len(p) for p in unit.prompts])
-                record["identical_rows"] = sum(a == b for a, b in zip(record["outputs"], unit.references))
-                if unit.batch == 1:
-                    record["predicted_seconds"] = predicted_seconds(
-                        bm, record, curves, prefills, len(unit.prompts[0]), bm.method.stats(target),
-                        settings.num_draft_tokens)
-                runs.append(record)
-                bar.update(1)
-        repeats_run = repeat + 1
-        repeat_seconds = time.perf_counter() - began
-    bar.close()
-    phase("timed", started)
-
-    # greedy differences: where each method's first differing row left plain generate's output
     started = time.perf_counter()
-    mismatches = []
-    by_name = {unit.name: unit for unit in units}
-    seen = set()
-    for record in runs:
-        if record["identical_rows"] == record["batch"] or (record["method"], record["unit"]) in seen:
-            continue
-        seen.add((record["method"], record["unit"]))
-        unit = by_name[record["unit"]]
-        for row, (output, reference) in enumerate(zip(record["outputs"], unit.references)):
-            if output != reference:
-                prompt = torch.tensor(unit.prompts[row], device=device)
-                detail = greedy_difference(target, prompt, output, reference)
-                mismatches.append({"method": record["method"], "unit": record["unit"], "row": row, **detail})
-                _say(f"gpu-bench: GREEDY MISMATCH {record['method']} {record['unit']} row {row}: "
-                     f"{describe_difference(detail)}", settings)
-                break
-    phase("mismatch check", started)
+    mismatches = _mismatches(bench, runs, units)
+    bench.phase_done("mismatch check", started)
 
+    device = bench.device
     result = {
         "command": command_line(),
         "settings": asdict(settings),
         "machine": {**machine_info(), "device": str(device),
-                    "gpu": torch.cuda.get_device_name(device) if cuda else None,
-                    "gpu_memory_gib": round(torch.cuda.get_device_properties(device).total_memory / 2**30, 1) if cuda else None,
+                    "gpu": torch.cuda.get_device_name(device) if bench.cuda else None,
+                    "gpu_memory_gib": round(torch.cuda.get_device_properties(device).total_memory / 2**30, 1)
+                    if bench.cuda else None,
                     "cuda": torch.version.cuda},
-        "model": {"shape": settings.shape, "dtype": settings.dtype, "parameters": sum(p.numel() for p in target.parameters()),
+        "model": {"shape": settings.shape, "dtype": settings.dtype,
+                  "parameters": sum(p.numel() for p in bench.target.parameters()),
                   "weights_mib": weights_mib, "construction": construction.to_dict(),
-                  "draft_layers": draft_layers, "half_layers": half_layers},
-        "levels": _levels_summary(models, labels, curves, prefills, agreement, construction, draft_layers, half_layers),
+                  "draft_layers": bench.layers["draft"], "half_layers": bench.layers["half"]},
+        "levels": _levels_summary(bench, curves, prefills, agreement, construction),
         "synthetic_drafter": {"acceptance": settings.acceptance, "num_tokens": settings.num_draft_tokens,
                               "seconds_per_token": drafter_seconds, "cost_in_target_steps": settings.drafter_cost},
         "methods": [{"name": bm.method.name, "kind": bm.method.kind, "description": bm.method.description,
@@ -473,11 +419,11 @@ def _run(settings: GpuBenchSettings) -> dict:
         "cut": cut,
         "runs": runs,
         "mismatches": mismatches,
-        "phases_s": phases,
+        "phases_s": bench.phases,
         "process_peak_rss_mib": process_peak_rss_mib(),
     }
     result["summary"] = summarise(result, methods, settings)
-    result["total_s"] = round(budget.elapsed(), 1)
+    result["total_s"] = round(bench.budget.elapsed(), 1)
     if settings.output_dir:
         out = Path(settings.output_dir)
         out.mkdir(parents=True, exist_ok=True)
@@ -486,16 +432,129 @@ def _run(settings: GpuBenchSettings) -> dict:
     return result
 
 
+def _build(bench: Bench):
+    """The structured target on the device, and its two early exits (sharing its weights): the
+    drafter (1/16 of its layers, at least one) and the middle level (half of them)."""
+    settings = bench.settings
+    layers = model_config(settings.shape)[1].num_hidden_layers
+    bench.layers = {"target": layers, "half": layers // 2, "draft": max(1, layers // 16)}
+    target, construction = build_target(settings.shape, bench.device, DTYPES[settings.dtype], bench.layers["draft"],
+                                        settings.draft_agreement, settings.seed)
+    bench.models = {"target": target, "half": early_exit(target, bench.layers["half"]),
+                    "draft": early_exit(target, bench.layers["draft"])}
+    bench.labels = {"target": f"{settings.shape} target", "half": f"exit-{bench.layers['half']}",
+                    "draft": f"exit-{bench.layers['draft']}"}
+    synchronize((bench.device,) if bench.cuda else ())
+    return construction
+
+
+def _costs(bench: Bench, prompt_lengths: list[int]) -> tuple[dict, dict]:
+    """T(k) of every model level, and its prefill of every prompt length (seconds)."""
+    curves = {name: measure_curve(model, tokens=bench.settings.cost_tokens, repeats=3)
+              for name, model in bench.models.items()}
+    first = torch.tensor([3], device=bench.device)
+    prefills = {name: {n: forward_cost(model, first, n - 1, repeats=2) for n in prompt_lengths}
+                for name, model in bench.models.items()}
+    return curves, prefills
+
+
+def _references(bench: Bench, units: list[Unit]) -> dict:
+    """Plain greedy generate of every unit (untimed for the comparison): each unit's references."""
+    seconds = {}
+    for unit in units:
+        timing = timed_call(lambda: bench.target.generate(**unit.inputs, **_options(bench.settings.max_new_tokens)),
+                            target=bench.target, sample_rss=False)
+        unit.references = timing.output[:, unit.inputs["input_ids"].shape[1] :].tolist()
+        seconds[unit.name] = timing.seconds
+    return seconds
+
+
+def _warm_up(bench: Bench, methods: list[BenchMethod], units: list[Unit]) -> None:
+    """One short call of every method on the first unit of every batch size."""
+    sizes = set()
+    for unit in units:
+        if unit.batch not in sizes:
+            sizes.add(unit.batch)
+            for bm in _for_batch(methods, unit.batch):
+                _call(bench.target, bm, unit, min(WARMUP_TOKENS, bench.settings.max_new_tokens), bench.cuda)
+
+
+def _timed(bench: Bench, methods: list[BenchMethod], units: list[Unit], curves: dict, prefills: dict):
+    """The timed calls: (records, repeats started, why the run was cut short or None)."""
+    from tqdm.auto import tqdm
+
+    settings, budget = bench.settings, bench.budget
+    runs: list[dict] = []
+    repeat_seconds, repeats_run, cut = 0.0, 0, None
+    total = settings.repeats * sum(len(_for_batch(methods, unit.batch)) for unit in units)
+    bar = tqdm(total=total, desc="gpu-bench", unit="call", file=sys.stderr, disable=not settings.progress)
+    for repeat in range(settings.repeats):
+        if repeat > 0 and not budget.allows(repeat_seconds):
+            cut = (f"stopped after {repeat} of {settings.repeats} repeats: another would end past the "
+                   f"{settings.time_budget_s:.0f} s budget ({budget.elapsed():.0f} s elapsed, a repeat took "
+                   f"{repeat_seconds:.0f} s)")
+            break
+        began, repeats_run = time.perf_counter(), repeat + 1
+        for unit in units:
+            chosen = _for_batch(methods, unit.batch)
+            shift = repeat % len(chosen)
+            for bm in chosen[shift:] + chosen[:shift]:  # rotated: no method always runs first
+                if not budget.allows(0.0):
+                    cut = (f"stopped during repeat {repeat + 1} of {settings.repeats}: the "
+                           f"{settings.time_budget_s:.0f} s budget ran out (the inputs it did not reach have one "
+                           "repeat fewer)")
+                    break
+                record = _call(bench.target, bm, unit, settings.max_new_tokens, bench.cuda)
+                record.update(method=bm.method.name, unit=unit.name, batch=unit.batch, repeat=repeat,
+                              prompt_tokens=[len(p) for p in unit.prompts])
+                record["identical_rows"] = sum(a == b for a, b in zip(record["outputs"], unit.references))
+                if unit.batch == 1:
+                    record["predicted_seconds"] = predicted_seconds(
+                        bm, record, curves, prefills, len(unit.prompts[0]), bm.method.stats(bench.target),
+                        settings.num_draft_tokens)
+                runs.append(record)
+                bar.update(1)
+            if cut:
+                break
+        if cut:
+            break
+        repeat_seconds = time.perf_counter() - began
+    bar.close()
+    if cut:
+        _say(f"gpu-bench: {cut}", settings)
+    return runs, repeats_run, cut
+
+
+def _mismatches(bench: Bench, runs: list[dict], units: list[Unit]) -> list[dict]:
+    """Where each method's output first left plain generate's, per input (its first differing row):
+    the target's logits of both tokens there, a near-tie or not (`greedy_difference`)."""
+    by_name = {unit.name: unit for unit in units}
+    found, seen = [], set()
+    for record in runs:
+        if record["identical_rows"] == record["batch"] or (record["method"], record["unit"]) in seen:
+            continue
+        seen.add((record["method"], record["unit"]))
+        unit = by_name[record["unit"]]
+        for row, (output, reference) in enumerate(zip(record["outputs"], unit.references)):
+            if output != reference:
+                prompt = torch.tensor(unit.prompts[row], device=bench.device)
+                detail = greedy_difference(bench.target, prompt, output, reference)
+                found.append({"method": record["method"], "unit": record["unit"], "row": row, **detail})
+                _say(f"gpu-bench: GREEDY MISMATCH {record['method']} {record['unit']} row {row}: "
+                     f"{describe_difference(detail)}", bench.settings)
+                break
+    return found
+
+
 def _for_batch(methods: list[BenchMethod], batch: int) -> list[BenchMethod]:
     """The methods that run on a batch of ``batch`` rows (transformers' assisted generation takes one)."""
     return methods if batch == 1 else [bm for bm in methods if bm.method.name in BATCHED_METHODS]
 
 
-def _levels_summary(models, labels, curves, prefills, agreement, construction, draft_layers, half_layers) -> list[dict]:
-    target_step = curves["target"].seconds(1)
-    layers = {"target": construction.layers, "half": half_layers, "draft": draft_layers}
+def _levels_summary(bench: Bench, curves: dict, prefills: dict, agreement: dict, construction) -> list[dict]:
+    target_step, layers, labels = curves["target"].seconds(1), bench.layers, bench.labels
     rows = []
-    for name, model in models.items():
+    for name in bench.models:
         curve = curves[name]
         rows.append({
             "level": name, "label": labels[name], "layers": layers[name],
