@@ -157,3 +157,9 @@ def test_greedy_difference_tells_a_real_difference_from_a_near_tie():
     detail = greedy_difference(target, prompt, wrong, plain)
     assert detail["position"] == 3 and detail["near_tie"] is False and detail["plain_logit"] > detail["method_logit"]
     assert greedy_difference(target, prompt, plain[:4], plain) == {"position": 4}  # stopped earlier
+
+
+def test_settings_that_would_fail_later_are_refused_before_building(capsys):
+    assert cli.main(["gpu-bench", "--device", "cpu", "--tiny", "--acceptance", "1.5", "--prompt-lengths", "4"]) == 2
+    error = capsys.readouterr().err
+    assert "--acceptance must be in [0, 1]" in error and "--prompt-lengths must each be at least 8 tokens" in error

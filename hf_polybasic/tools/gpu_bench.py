@@ -129,9 +129,36 @@ class Budget:
         return self.elapsed() + more_seconds <= self.seconds
 
 
+def check_settings(settings: GpuBenchSettings) -> None:
+    """A `GpuBenchError` for a setting that would fail later, before any model is built."""
+    problems = []
+    if settings.shape not in SHAPES:
+        problems.append(f"--shape must be one of {sorted(SHAPES)}")
+    if settings.dtype not in DTYPES:
+        problems.append(f"--dtype must be one of {sorted(DTYPES)}")
+    if not 0.0 <= settings.acceptance <= 1.0:
+        problems.append("--acceptance must be in [0, 1]")
+    if not 0.0 < settings.draft_agreement <= 1.0:
+        problems.append("--draft-agreement must be in (0, 1]")
+    if settings.drafter_cost < 0:
+        problems.append("--drafter-cost must be >= 0")
+    if min(settings.prompt_lengths, default=0) < KEY_TOKENS:
+        problems.append(f"--prompt-lengths must each be at least {KEY_TOKENS} tokens")
+    if not settings.batch_sizes or min(settings.batch_sizes) < 1:
+        problems.append("--batch-sizes must be one or more sizes >= 1")
+    if min(settings.repeats, settings.max_new_tokens, settings.num_draft_tokens) < 1:
+        problems.append("--repeats, --max-new-tokens and --draft-tokens must be >= 1")
+    if problems:
+        raise GpuBenchError("; ".join(problems))
+
+
 def check_device(settings: GpuBenchSettings) -> torch.device:
     """The device, or a `GpuBenchError` saying why it cannot run the settings."""
-    device = torch.device(settings.device)
+    check_settings(settings)
+    try:
+        device = torch.device(settings.device)
+    except RuntimeError as error:
+        raise GpuBenchError(f"--device must be cuda, cuda:N or cpu, got {settings.device!r}") from error
     if device.type == "cuda":
         if not torch.cuda.is_available():
             raise GpuBenchError(

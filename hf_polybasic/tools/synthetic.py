@@ -131,18 +131,24 @@ def build_target(shape: str, device: torch.device | str, dtype: torch.dtype, dra
     previous = torch.get_default_dtype()
     try:
         torch.set_default_dtype(dtype)  # as transformers does to build a model in a dtype
+        cast = False
     except TypeError:  # a torch that takes only float32/float64 here: build in float32, then cast
-        pass
+        cast = True
     try:
         with torch.device(device):
             model = cls(config).eval()
     finally:
         torch.set_default_dtype(previous)
-    model.to(dtype)
+    if cast:
+        model.to(dtype)  # (this also casts float32 buffers such as the rotary frequencies)
     layers, vocab, hidden = config.num_hidden_layers, config.vocab_size, config.hidden_size
     m = tokens_per_layer(layers, vocab, draft_layers, draft_agreement)
-    if m > config.intermediate_size:
-        raise ValueError(f"{m} override tokens per layer do not fit in {config.intermediate_size} MLP rows")
+    if m > config.intermediate_size or m * (layers - 1) > (vocab - FIRST_TOKEN) // 2:
+        raise ValueError(
+            f"an exit of {draft_layers} of {layers} layers agreeing on {draft_agreement} of the tokens needs override "
+            f"tables of {m} tokens per layer: more than the MLP's {config.intermediate_size} rows or half the "
+            "vocabulary in all; ask for a higher agreement"
+        )
     generator = torch.Generator(device=device).manual_seed(seed)
     for name, parameter in model.named_parameters():  # every value drawn here: nothing left to chance
         if parameter.dim() >= 2:
