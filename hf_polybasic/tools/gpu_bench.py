@@ -774,7 +774,7 @@ def settings_from_args(args) -> GpuBenchSettings:
     if args.batch_sizes:
         given["batch_sizes"] = tuple(int(x) for x in args.batch_sizes.split(","))
     settings = replace(base, **{k: v for k, v in given.items() if v is not None}, progress=not args.no_progress)
-    if args.dtype is None and torch.device(settings.device).type == "cpu" and settings.shape == "tiny":
+    if args.dtype is None and settings.device == "cpu" and settings.shape == "tiny":
         settings = replace(settings, dtype="fp32")  # tiny on the CPU: bit-for-bit comparable outputs
     return settings
 
