@@ -10,7 +10,8 @@ model a structure:
 * **a confident bigram skeleton.** The embedding dominates the residual stream and the output
   layer is a shuffled copy of it, so the target's next token is a fixed function of the last one,
   chosen by a wide margin (its logit about three times the largest of the other, random, ones).
-  The attention and MLP weights stay random (damped), so every forward costs what it would.
+  The attention and MLP weights stay random, scaled down so that together they move the residual
+  stream by about `NOISE` of its norm at any width, so every forward costs what it would.
 * **override tables in the deeper layers.** Layer l (1 .. L-1) holds, in its first MLP rows, a
   lookup table of ``m`` tokens (disjoint sets): after such a token, the layer writes the
   direction of another token into the residual stream, and the target predicts that one instead,
@@ -39,6 +40,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from ..drafters import Drafter
+from ..levels import early_exit
 
 PAD, BOS, EOS = 0, 1, 2
 FIRST_TOKEN = 3  # ids below are special: never in a prompt, never predicted by the skeleton
@@ -61,7 +63,7 @@ SHAPES = {
 }
 
 INIT_STD = 0.02  # every random matrix, as transformers initialises Llama and Qwen2
-DAMPING = 0.1  # the random layers' output projections: they cost, but barely move the residual stream
+NOISE = 0.3  # how far all random layers together move the residual stream, in embedding norms: they cost, barely move it
 MARGIN = 3.0  # the skeleton's logit over the typical largest random logit
 OVERRIDE_STRENGTH = 2.0  # an override writes this many embedding norms of the new token's direction
 GATE = 8.0  # a table row's pre-activation for its own token (about GATE / sqrt(hidden) for others)
@@ -175,10 +177,9 @@ def build_target(shape: str, device: torch.device | str, dtype: torch.dtype, dra
     in_table = torch.zeros(vocab, dtype=torch.bool)
     in_table[tabled.flatten()] = True
     allowed = torch.nonzero(~in_table[perm] & (torch.arange(vocab) >= FIRST_TOKEN)).flatten()
+    _damp_random_layers(model, cpu)
     activation = GATE * GATE / (1 + math.exp(-GATE))  # silu(GATE) * GATE
     for index, layer in enumerate(model.model.layers):
-        layer.self_attn.o_proj.weight.mul_(DAMPING)
-        layer.mlp.down_proj.weight.mul_(DAMPING)
         if index == 0 or m == 0:
             continue
         sources = tabled[index - 1]  # [m]
@@ -193,6 +194,30 @@ def build_target(shape: str, device: torch.device | str, dtype: torch.dtype, dra
     model.generation_config.bos_token_id = BOS
     model.generation_config.eos_token_id = EOS
     return model, TargetConstruction(shape, layers, vocab, m, seed)
+
+
+def _damp_random_layers(model: torch.nn.Module, generator: torch.Generator) -> None:
+    """Scale every layer's output projections (attention and MLP) so that the random layers together
+    move the residual stream by about `NOISE` of the embedding's norm, whatever the shape: the
+    first layer's move is measured on random tokens, and each layer is given NOISE / sqrt(L) (the
+    layers' random moves add up like a random walk). The skeleton's and the tables' margins then
+    hold at every width (a wider model's random layers move the stream more)."""
+    layers = model.model.layers
+    probe = torch.randint(FIRST_TOKEN, model.config.vocab_size, (1, 32), generator=generator)
+    probe = probe.to(model.model.embed_tokens.weight.device)
+    captured = {}
+    handle = layers[0].register_forward_hook(lambda module, args, output: captured.update(
+        out=output[0] if isinstance(output, tuple) else output))
+    try:
+        early_exit(model, 1)(probe)
+    finally:
+        handle.remove()
+    embedded = model.model.embed_tokens(probe).float()
+    moved = (captured["out"].float() - embedded).pow(2).mean().sqrt() / embedded.pow(2).mean().sqrt()
+    scale = NOISE / math.sqrt(len(layers)) / max(float(moved), 1e-6)
+    for layer in layers:
+        layer.self_attn.o_proj.weight.mul_(scale)
+        layer.mlp.down_proj.weight.mul_(scale)
 
 
 def random_prompts(lengths: Iterable[int], vocab_size: int, seed: int, key_tokens: int) -> list[list[int]]:
