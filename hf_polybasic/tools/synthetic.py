@@ -65,7 +65,7 @@ SHAPES = {
 INIT_STD = 0.02  # every random matrix, as transformers initialises Llama and Qwen2
 NOISE = 0.3  # how far all random layers together move the residual stream, in embedding norms: they cost, barely move it
 MARGIN = 3.0  # the skeleton's logit over the typical largest random logit
-OVERRIDE_STRENGTH = 2.0  # an override writes this many embedding norms of the new token's direction
+OVERRIDE_STRENGTH = 3.0  # an override writes this many embedding norms of the new token's direction
 GATE = 8.0  # a table row's pre-activation for its own token (about GATE / sqrt(hidden) for others)
 
 
