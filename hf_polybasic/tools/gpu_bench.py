@@ -398,11 +398,16 @@ def _run(settings: GpuBenchSettings) -> dict:
     units = _units(settings, construction.vocab_size, bench.device)
     curves, prefills = _costs(bench, sorted({len(u.prompts[0]) for u in units if u.batch == 1}))
     drafter_seconds = settings.drafter_cost * curves["target"].seconds(1)
+    methods = _methods(bench, settings, drafter_seconds, construction.vocab_size)
     bench.phase_done("costs", started)
 
     started = time.perf_counter()
     reference_seconds = _references(bench, units)
     bench.phase_done("references", started)
+    per_repeat = sum(reference_seconds[unit.name] * len(_for_batch(methods, unit.batch)) for unit in units)
+    _say(f"gpu-bench: a timed repeat should take about {per_repeat:.0f} s if every method took what plain generate "
+         f"did; {settings.repeats} asked, {max(settings.time_budget_s - bench.budget.elapsed(), 0):.0f} s of budget left",
+         settings)
 
     started = time.perf_counter()
     single = [unit for unit in units if unit.batch == 1]
@@ -410,7 +415,6 @@ def _run(settings: GpuBenchSettings) -> dict:
     bench.phase_done("agreement", started)
 
     started = time.perf_counter()
-    methods = _methods(bench, settings, drafter_seconds, construction.vocab_size)
     _warm_up(bench, methods, units)
     bench.phase_done("warm-up", started)
 
@@ -752,7 +756,9 @@ def markdown(result: dict) -> str:
                 f"{_f(row['efficiency'])} | {row['off_reference_calls']} |"
             )
     lines += ["", "Methods:"] + [f"- `{name}`: {text}" for name, text in descriptions.items()]
-    if result["mismatches"]:
+    if not result["runs"]:
+        lines += ["", "No timed call ran within the time budget: nothing was compared."]
+    elif result["mismatches"]:
         lines += ["", "Greedy outputs that differ from plain generate's (first differing row per method and input):"]
         lines += [f"- {x['method']}, {x['unit']}, row {x['row']}: {describe_difference(x)}" for x in result["mismatches"]]
     else:
