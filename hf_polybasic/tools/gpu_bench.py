@@ -33,6 +33,7 @@ predict from the set acceptance and cost, against what was measured.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import statistics
 import sys
@@ -252,14 +253,9 @@ def _call(target, bm: BenchMethod, unit: Unit, max_new_tokens: int, cuda: bool) 
         bm.drafter.reset()
     counter = ForwardCounter(bm.assistant) if bm.assistant is not None else None
     before = torch.cuda.memory_allocated(target.device) / 2**20 if cuda else None
-    if counter is not None:
-        counter.__enter__()
-    try:
+    with counter or contextlib.nullcontext():
         timing = timed_call(lambda: bm.method.run(target, unit.inputs, _options(max_new_tokens)), target=target,
                             sample_rss=not cuda)
-    finally:
-        if counter is not None:
-            counter.__exit__()
     width = unit.inputs["input_ids"].shape[1]
     sequences = timing.output if isinstance(timing.output, torch.Tensor) else timing.output.sequences
     outputs = sequences[:, width:].tolist()
