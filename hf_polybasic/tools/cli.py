@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from .bench.cli import add_bench_parser
+from .gpu_bench import add_gpu_bench_parser
 from .plan_cli import add_plan_parser
 
 
@@ -115,6 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
     batches.set_defaults(handler=_batches)
 
     add_bench_parser(commands)
+    add_gpu_bench_parser(commands)
     add_plan_parser(commands)
     return parser
 

@@ -3,7 +3,9 @@
 The benchmark, the planner's validation and the demo all time calls with `timed_call`: wall time
 with ``time.perf_counter`` around the call only, the target's forward calls (a forward pre-hook;
 plain generate makes one per token), and the process's resident memory (RSS) before, after and at
-its sampled peak during the call. RSS counts every model loaded in the process.
+its sampled peak during the call. RSS counts every model loaded in the process. When the target
+lives on a CUDA GPU, the clock starts and stops with the GPU's queue drained (`synchronize`: the
+work is timed, not its launch) and the GPU's peak allocated memory during the call is recorded too.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from ..timing import cuda_devices, synchronize
 
 RSS_INTERVAL_S = 0.05
 
@@ -83,7 +87,9 @@ class ForwardCounter:
 
 @dataclass
 class Timing:
-    """One timed call: its result, wall seconds, the target's forward calls and memory (MiB)."""
+    """One timed call: its result, wall seconds, the target's forward calls and memory (MiB):
+    the process's resident memory, and on a GPU the peak memory allocated by torch during the call
+    (``torch.cuda.max_memory_allocated`` over the target's CUDA devices, summed; None on a CPU)."""
 
     output: Any
     seconds: float
@@ -91,12 +97,18 @@ class Timing:
     rss_before_mib: float | None = None
     rss_after_mib: float | None = None
     rss_peak_mib: float | None = None
+    cuda_peak_mib: float | None = None
 
 
 def timed_call(fn: Callable[[], Any], target: torch.nn.Module | None = None, sample_rss: bool = True) -> Timing:
-    """Call ``fn()`` once, timing it; count ``target``'s forward calls when given."""
+    """Call ``fn()`` once, timing it; count ``target``'s forward calls when given (and on a GPU,
+    synchronize its devices around the clock and record their peak memory)."""
     rss = RssSampler() if sample_rss else None
     counter = ForwardCounter(target) if target is not None else None
+    devices = cuda_devices(target) if target is not None else ()
+    synchronize(devices)  # earlier work queued on the GPU is not this call's
+    for device in devices:
+        torch.cuda.reset_peak_memory_stats(device)
     if rss is not None:
         rss.__enter__()
     if counter is not None:
@@ -104,6 +116,7 @@ def timed_call(fn: Callable[[], Any], target: torch.nn.Module | None = None, sam
     try:
         started = time.perf_counter()
         output = fn()
+        synchronize(devices)
         seconds = time.perf_counter() - started
     finally:
         if counter is not None:
@@ -117,16 +130,18 @@ def timed_call(fn: Callable[[], Any], target: torch.nn.Module | None = None, sam
         rss_before_mib=None if rss is None else rss.before,
         rss_after_mib=None if rss is None else rss.after,
         rss_peak_mib=None if rss is None else rss.peak,
+        cuda_peak_mib=sum(torch.cuda.max_memory_allocated(d) for d in devices) / 2**20 if devices else None,
     )
 
 
 def median_of(fn: Callable[[], Any], repeats: int, warmup: int = 1, target: torch.nn.Module | None = None) -> Timing:
     """``warmup`` untimed calls, then ``repeats`` timed ones; the last output, the median seconds,
-    the highest peak memory."""
+    the highest peak memories."""
     for _ in range(warmup):
         fn()
     timings = [timed_call(fn, target) for _ in range(repeats)]
     peaks = [t.rss_peak_mib for t in timings if t.rss_peak_mib is not None]
+    cuda_peaks = [t.cuda_peak_mib for t in timings if t.cuda_peak_mib is not None]
     last = timings[-1]
     return Timing(
         output=last.output,
@@ -135,6 +150,7 @@ def median_of(fn: Callable[[], Any], repeats: int, warmup: int = 1, target: torc
         rss_before_mib=timings[0].rss_before_mib,
         rss_after_mib=last.rss_after_mib,
         rss_peak_mib=max(peaks) if peaks else None,
+        cuda_peak_mib=max(cuda_peaks) if cuda_peaks else None,
     )
 
 

@@ -23,7 +23,6 @@ import shutil
 import sys
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from .. import cpu
@@ -32,7 +31,7 @@ from . import models
 
 BF16_SUFFIX = "-bf16"
 _MADV_DONTNEED = 4
-_SAFETENSORS_DTYPES = {"F32": np.float32, "F16": np.float16}
+BF16_MANIFEST = "hf_polybasic_bf16.json"
 
 
 # --- giving pages back ---------------------------------------------------------------------------------
@@ -74,32 +73,30 @@ def _release_weight(layer: torch.nn.Module) -> None:
 
 # --- a bfloat16 copy of the cache ------------------------------------------------------------------
 def _read_safetensors(path: Path):
-    """(name, float tensor) for every tensor of a safetensors file, read with plain file reads (no
-    memory map): only the tensor being converted is ever in memory."""
-    with open(path, "rb") as handle:
-        length = int.from_bytes(handle.read(8), "little")
-        header = json.loads(handle.read(length))
-        base = 8 + length
-        for name, entry in header.items():
-            if name == "__metadata__":
-                continue
-            if entry["dtype"] not in _SAFETENSORS_DTYPES:
-                raise ValueError(f"{path}: tensor {name} has dtype {entry['dtype']}; expected float32 or float16")
-            begin, end = entry["data_offsets"]
-            handle.seek(base + begin)
-            array = np.frombuffer(handle.read(end - begin), dtype=_SAFETENSORS_DTYPES[entry["dtype"]])
-            yield name, torch.from_numpy(array.copy()).reshape(entry["shape"])
+    """(name, float tensor) for every tensor of a safetensors file, one at a time, through the
+    safetensors library's own reader (``safe_open``, which maps the file and reads a tensor's pages
+    when it is used). Only the tensor being converted is ever in memory: once the caller has moved
+    on to the next tensor, the previous one's pages are handed back (`release_file_pages`; without
+    that, every page read would stay resident until the file is closed, the whole shard). Use each
+    tensor read-only and before asking for the next (copy it, e.g. ``.to(torch.bfloat16)``)."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as handle:
+        for name in handle.keys():
+            tensor = handle.get_tensor(name)
+            if not tensor.is_floating_point():
+                raise ValueError(f"{path}: tensor {name} has dtype {tensor.dtype}; expected a floating-point tensor")
+            yield name, tensor
+            release_file_pages(tensor)
 
 
-def bf16_directory(name: str, cache_dir=None) -> Path:
-    """The bfloat16 copy of a cached model, made on first use (a few seconds per GB, streamed)."""
+def write_bf16_copy(source: Path, target: Path) -> Path:
+    """Write a bfloat16 copy of the safetensors checkpoint directory ``source`` to ``target`` (made
+    under a ``.partial`` name and renamed when complete; every other file copied as is), streaming
+    each shard tensor by tensor (`_read_safetensors`)."""
     from safetensors.torch import save_file
 
-    source = models.install(name, cache_dir=cache_dir)
-    target = source.with_name(source.name + BF16_SUFFIX)
-    manifest = target / "hf_polybasic_bf16.json"
-    if manifest.is_file():
-        return target
+    manifest = target / BF16_MANIFEST
     partial = target.with_name(target.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)
@@ -114,6 +111,15 @@ def bf16_directory(name: str, cache_dir=None) -> Path:
     shutil.rmtree(target, ignore_errors=True)
     partial.rename(target)
     return target
+
+
+def bf16_directory(name: str, cache_dir=None) -> Path:
+    """The bfloat16 copy of a cached model, made on first use (a few seconds per GB, streamed)."""
+    source = models.install(name, cache_dir=cache_dir)
+    target = source.with_name(source.name + BF16_SUFFIX)
+    if (target / BF16_MANIFEST).is_file():
+        return target
+    return write_bf16_copy(source, target)
 
 
 def load(name: str, dtype: torch.dtype = torch.float32, cache_dir=None):

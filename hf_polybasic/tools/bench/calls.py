@@ -124,29 +124,48 @@ def mismatch_detail(record, plain_record, model_set: ModelSet, messages, setting
     near-tie is told apart from a bug."""
     if plain_record is None:
         return None
-    position = first_difference(record["output_ids"], plain_record["output_ids"])
+    if first_difference(record["output_ids"], plain_record["output_ids"]) is None:
+        return None
+    if record["turn"] > 0 and record.get("prompt_tokens") != plain_record.get("prompt_tokens"):
+        # an earlier turn already differed: the prompts differ, logits are not comparable
+        return {"position": first_difference(record["output_ids"], plain_record["output_ids"])}
+    inputs, _ = encode(model_set, messages, settings.max_new_tokens)
+    detail = greedy_difference(model_set.target, inputs["input_ids"][0], record["output_ids"], plain_record["output_ids"])
+    where = f"{record['method']} {record['question_id']} turn {record['turn'] + 1}"
+    _say(f"!!! GREEDY MISMATCH: {where}: {describe_difference(detail)}")
+    return detail
+
+
+@torch.no_grad()
+def greedy_difference(target, prompt_ids: torch.LongTensor, method_ids: list[int], plain_ids: list[int]) -> dict | None:
+    """None if ``method_ids`` equals ``plain_ids`` (the new tokens after ``prompt_ids`` ``[L]``);
+    else ``{"position": the first new token that differs}`` and, when both have a token there, the
+    target's logits of the two tokens after the common prefix (one forward), their relative gap
+    and whether it is a numeric near-tie: at most `NEAR_TIE_ULPS` units in the last place of the
+    target's dtype apart, where a k-token and a 1-token forward may round either way."""
+    position = first_difference(method_ids, plain_ids)
     if position is None:
         return None
     detail = {"position": position}
-    if record["turn"] > 0 and record.get("prompt_tokens") != plain_record.get("prompt_tokens"):
-        return detail  # an earlier turn already differed: the prompts differ, logits are not comparable
-    ids = record["output_ids"], plain_record["output_ids"]
-    if position >= min(len(ids[0]), len(ids[1])):  # one output stopped earlier
-        _say(f"!!! GREEDY MISMATCH: {record['method']} {record['question_id']}: lengths differ at token {position}")
+    if position >= min(len(method_ids), len(plain_ids)):  # one output stopped earlier
         return detail
-    inputs, _ = encode(model_set, messages, settings.max_new_tokens)
-    prefix = torch.tensor([plain_record["output_ids"][:position]], dtype=torch.long, device=inputs["input_ids"].device)
-    sequence = torch.cat([inputs["input_ids"], prefix], dim=1)
-    logits = model_set.target(sequence, logits_to_keep=1).logits[0, -1].float()
-    method_logit, plain_logit = float(logits[ids[0][position]]), float(logits[ids[1][position]])
+    prefix = torch.tensor(plain_ids[:position], dtype=torch.long, device=prompt_ids.device)
+    sequence = torch.cat([prompt_ids.reshape(-1), prefix]).unsqueeze(0)
+    logits = target(sequence, logits_to_keep=1).logits[0, -1].float()
+    method_logit, plain_logit = float(logits[method_ids[position]]), float(logits[plain_ids[position]])
     gap = abs(plain_logit - method_logit)
-    bits = MANTISSA_BITS.get(model_set.target.dtype, 24)
+    bits = MANTISSA_BITS.get(target.dtype, 24)
     relative_gap = gap / max(abs(plain_logit), abs(method_logit), 1e-12)
     near_tie = relative_gap <= NEAR_TIE_ULPS * 2.0 ** (1 - bits)
     detail.update(method_logit=method_logit, plain_logit=plain_logit, relative_gap=relative_gap, near_tie=near_tie)
-    _say(
-        f"!!! GREEDY MISMATCH: {record['method']} {record['question_id']} turn {record['turn'] + 1} at new token "
-        f"{position}: logits {method_logit:.4f} (method) vs {plain_logit:.4f} (plain), "
-        f"{'a numeric near-tie' if near_tie else 'NOT a near-tie'}"
-    )
     return detail
+
+
+def describe_difference(detail: dict) -> str:
+    """One line for a `greedy_difference`."""
+    if "near_tie" not in detail:
+        return f"lengths differ at new token {detail['position']}"
+    return (
+        f"at new token {detail['position']}: logits {detail['method_logit']:.4f} (method) vs "
+        f"{detail['plain_logit']:.4f} (plain), {'a numeric near-tie' if detail['near_tie'] else 'NOT a near-tie'}"
+    )
