@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from . import compat
+from . import compat, recurrent
 from .timing import DEFAULT_CLOCK, Clock, cuda_devices, synchronize, timed
 
 
@@ -40,6 +40,10 @@ def check_rollback_support(model: torch.nn.Module, cache, role: str) -> None:
 
     ``role`` names the model in messages, e.g. "target M1 LlamaForCausalLM".
     """
+    layers = recurrent.recurrent_layers(model)
+    if layers:  # hybrid models: hf_polybasic.recurrent checks them
+        recurrent.check_rollback_support(model, cache, role, layers)
+        return
     if compat.is_stateful(model):
         raise ValueError(
             f"{role} is stateful (recurrent/SSM state); its state cannot be rolled back after a rejected draft, "
@@ -102,6 +106,7 @@ class CachedModel:
         if cache is not None:
             check_rollback_support(model, cache, role)
             compat.record_past_states(cache)
+        self.states = recurrent.StateHistory.of(model, cache, rows, role)  # hybrid models: recurrent state copies
         if rows > 1 and (cache is None or cache.get_seq_length() > 0):
             raise ValueError(f"{role}: a batch of rows needs an empty cache of its own")
         first = cache.get_seq_length() if cache is not None else 0
@@ -135,6 +140,8 @@ class CachedModel:
             first_needed = sequence.shape[0] - num_positions
             if self.lengths[row] > first_needed:
                 self.rollback_rows({row: first_needed})
+            if self.states is not None:  # hybrid model: copy its recurrent state first
+                self.states.before_forward(self, sequence[:first_needed])
             fed[row] = sequence[0 if self.cache is None else self.lengths[row] :]
             self._check_ids(fed[row])
         keep = max(n for _, n in requests.values())
@@ -161,7 +168,8 @@ class CachedModel:
         else:
             start = self.lengths[0]
             positions = torch.arange(start, start + fed.shape[0], device=self.device).unsqueeze(0)
-            outputs = self.model(
+            forward = self.model if self.states is None else self.states.forward(self.model)  # hybrid model
+            outputs = forward(
                 input_ids=inputs, position_ids=positions, past_key_values=self.cache, use_cache=True, **kwargs
             )
             self._slots[0].extend(range(start, start + fed.shape[0]))
@@ -249,6 +257,8 @@ class CachedModel:
             length = lengths.get(0, self.lengths[0])
             if length < self.lengths[0]:
                 if self.cache is not None:
+                    if self.states is not None:  # hybrid model: back to a copy of its recurrent state
+                        length = self.states.restore(length)  # (at most `length` tokens: the next forward re-feeds)
                     compat.remove_last_tokens(self.cache, self.lengths[0] - length)
                     del self._slots[0][length:]
                 self.lengths[0] = length
@@ -275,6 +285,8 @@ class CachedModel:
         """Everything cached is final: let sliding layers drop states outside their window."""
         if self.cache is not None:
             compat.restrict_sliding_layers(self.cache)
+        if self.states is not None:
+            self.states.commit()
 
 
 def supports_rows(model: torch.nn.Module) -> bool:

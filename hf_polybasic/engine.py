@@ -11,7 +11,7 @@ returned ``past_key_values`` can be continued.
 
 Rows are decoded together, each without its left padding (its own positions, processors shifted
 accordingly), so each is exactly as if it had been generated alone; models with sliding-window
-attention and Drafters that keep state decode a batch row by row instead (`batchable`).
+attention or recurrent layers and Drafters that keep state decode a batch row by row instead (`batchable`).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import torch
 from transformers.generation import LogitsProcessorList, StoppingCriteriaList
 
 from .cache import supports_rows
+from .recurrent import batch_refusal_reason
 from .chain import ChainParts, Verifier, build_chain
 from .costs import CostCurves
 from .drafters import Drafter
@@ -91,12 +92,13 @@ def decode(
 
 def batchable(target: torch.nn.Module, assistants: list) -> bool:
     """Whether the rows of a batch can share forwards: every model without sliding-window attention
-    (`hf_polybasic.cache.supports_rows`) and a bottom `Drafter`, if any, without per-row state."""
+    (`hf_polybasic.cache.supports_rows`) or recurrent layers (`hf_polybasic.recurrent.batch_refusal_reason`),
+    and a bottom `Drafter`, if any, without per-row state."""
     for model in [target, *assistants]:
         if isinstance(model, Drafter):
             if not getattr(model, "stateless", False):
                 return False
-        elif not supports_rows(model):
+        elif not supports_rows(model) or batch_refusal_reason(model) is not None:
             return False
     return True
 
@@ -125,8 +127,8 @@ def decode_rows(
             _warned_row_by_row = True
             warnings.warn(
                 "hf_polybasic decodes this batch row by row (one forward per row): a model of the chain has "
-                "sliding-window attention, a Drafter keeps state, or use_cache=False. Rows of other chains share "
-                "each forward.",
+                "sliding-window attention or recurrent layers, a Drafter keeps state, or use_cache=False. Rows of "
+                "other chains share each forward.",
                 UserWarning,
                 stacklevel=4,
             )

@@ -21,6 +21,44 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
+# Tiny hybrid models (transformers >= 5.14): each family's recurrent layers mixed with attention
+# layers, smallest settings that build; ``layers`` is the depth (layer kinds alternate).
+HYBRID_ARCHITECTURES = {
+    # Gated DeltaNet + attention (MoE MLPs)
+    "qwen3_next": lambda layers: dict(
+        layer_types=["linear_attention", "full_attention"] * (layers // 2), linear_num_value_heads=4,
+        linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=8, head_dim=8, num_experts=4,
+        num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=16),
+    # Gated DeltaNet + attention, dense
+    "qwen3_5_text": lambda layers: dict(
+        layer_types=["linear_attention", "full_attention"] * (layers // 2), linear_num_value_heads=4,
+        linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=8, head_dim=8),
+    # Mamba-2 + attention
+    "bamba": lambda layers: dict(
+        attn_layer_indices=list(range(1, layers, 2)), mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8,
+        mamba_n_groups=1, mamba_expand=2, mamba_chunk_size=8),
+    # Mamba-2 and attention side by side in every layer
+    "falcon_h1": lambda layers: dict(
+        mamba_n_heads=4, mamba_d_head=16, mamba_d_ssm=64, mamba_d_state=8, mamba_n_groups=1, mamba_expand=2,
+        mamba_chunk_size=8, head_dim=8),
+    # Mamba-2 + attention + MLP-only layers
+    "nemotron_h": lambda layers: dict(
+        layers_block_type=(["mamba", "attention", "mamba", "mlp"] * layers)[:layers], mamba_num_heads=4,
+        mamba_head_dim=16, ssm_state_size=8, n_groups=1, expand=2, chunk_size=8, head_dim=8),
+    # Mamba-2 + attention (Granite 4.0-H), MoE
+    "granitemoehybrid": lambda layers: dict(
+        layer_types=["mamba", "attention"] * (layers // 2), mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8,
+        mamba_n_groups=1, mamba_expand=2, mamba_chunk_size=8, num_local_experts=4, num_experts_per_tok=2),
+    # Mamba (1) + attention, MoE
+    "jamba": lambda layers: dict(
+        attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1, num_experts=2,
+        mamba_d_state=8, mamba_d_conv=4, mamba_expand=2, mamba_dt_rank=4),
+    # short convolutions + attention
+    "lfm2": lambda layers: dict(
+        layer_types=["conv", "full_attention"] * (layers // 2), conv_L_cache=3, block_ff_dim=64,
+        block_auto_adjust_ff_dim=False),
+}
+
 VOCAB = 96
 EOS = 2
 BOS = 1
@@ -51,7 +89,14 @@ def _config(arch: str, vocab: int = VOCAB, layers: int = 2, sliding_window: int 
         return Gemma3ForCausalLM, Gemma3TextConfig(
             **common, head_dim=8, sliding_window=sliding_window, layer_types=["sliding_attention", "full_attention"] * (layers // 2)
         )
-    raise ValueError(f"unknown tiny architecture {arch!r}; choose 'llama', 'qwen2' or 'gemma3'")
+    if arch in HYBRID_ARCHITECTURES:
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        config = AutoConfig.for_model(arch, **common, **HYBRID_ARCHITECTURES[arch](layers))
+        return AutoModelForCausalLM.from_config, config
+    raise ValueError(
+        f"unknown tiny architecture {arch!r}; choose 'llama', 'qwen2', 'gemma3' or one of {sorted(HYBRID_ARCHITECTURES)}"
+    )
 
 
 def make_target(arch: str = "llama", seed: int = 0, vocab: int = VOCAB, logit_scale: float = 4.0, **extra):
@@ -62,10 +107,28 @@ def make_target(arch: str = "llama", seed: int = 0, vocab: int = VOCAB, logit_sc
     model = cls(config).eval()
     with torch.no_grad():
         model.lm_head.weight.mul_(logit_scale)
+        if arch in HYBRID_ARCHITECTURES:
+            _amplify_recurrent_layers(model)
     model.generation_config.pad_token_id = PAD
     model.generation_config.eos_token_id = EOS
     model.generation_config.bos_token_id = BOS
     return model
+
+
+def _amplify_recurrent_layers(model, inputs: float = 3.0, outputs: float = 8.0) -> None:
+    """Scale up the input and output projections of each recurrent layer: at random initialisation
+    what it adds to the residual stream is too small for a stale recurrent state to change a tiny
+    model's greedy output, which would leave tests of the state's rollback without power."""
+    from .recurrent import recurrent_layers
+
+    kinds = {layer.module for layer in recurrent_layers(model)}
+    for module in model.modules():
+        if type(module).__name__ in kinds:
+            for name, child in module.named_children():
+                if isinstance(child, torch.nn.Linear) and name.startswith("in_proj"):
+                    child.weight.mul_(inputs)
+                elif isinstance(child, torch.nn.Linear) and name == "out_proj":
+                    child.weight.mul_(outputs)
 
 
 def noisy_copy(model, noise: float, seed: int, vocab: int | None = None):
