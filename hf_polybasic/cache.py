@@ -107,9 +107,9 @@ class CachedModel:
             check_rollback_support(model, cache, role)
             compat.record_past_states(cache)
         self.states = recurrent.StateHistory.of(model, cache, rows, role)  # hybrid models: recurrent state copies
-        if rows > 1 and (cache is None or cache.get_seq_length() > 0):
+        if rows > 1 and (cache is None or compat.cached_tokens(cache) > 0):
             raise ValueError(f"{role}: a batch of rows needs an empty cache of its own")
-        first = cache.get_seq_length() if cache is not None else 0
+        first = compat.cached_tokens(cache) if cache is not None else 0
         self.lengths = [first] * rows
         self._slots = [list(range(first)) for _ in range(rows)]  # physical slot of each cached token
         self._valid = torch.zeros(rows, 0, dtype=torch.bool, device=self.device)  # [rows, slots] (rows > 1)

@@ -10,7 +10,7 @@ topic:
   ``record_past`` fields; ``crop``'s argument);
 * recurrent state (hybrid models, for `hf_polybasic.recurrent`): `is_recurrent_cache_layer`,
   `recurrent_layer_indices`, `read_recurrent_state`, `write_recurrent_state`, `trim_conv_states`,
-  `tracks_length`, `holds_recurrent_state`, `continues_state_over_several_tokens`, `config_layer_types` (the conv / recurrent state fields of transformers' linear-attention cache
+  `tracks_length`, `cached_tokens`, `cache_argument`, `takes_position_ids`, `holds_recurrent_state`, `continues_state_over_several_tokens`, `config_layer_types` (the conv / recurrent state fields of transformers' linear-attention cache
   layers, transformers >= 5.14);
 * models: `accepts_logits_to_keep`, `is_stateful`;
 * generate: `streamer_of_calling_generate` (the caller's frame), `prepared_pad_token_id`
@@ -122,7 +122,7 @@ def replaceable_empty_cache(cache, made_by_generate: bool) -> bool:
     replaces: one that `generate` built for ``cache_implementation`` (static, hybrid, quantized; some
     hub configs set it), or, before transformers 5.15, one with sliding-window layers (they cannot
     record their past there). A cache the caller built stays theirs: it is used or refused."""
-    if cache.get_seq_length() != 0:
+    if cached_tokens(cache) != 0:
         return False
     if not is_dynamic_cache(cache):
         return made_by_generate
@@ -252,6 +252,38 @@ def continues_state_over_several_tokens(kind: str) -> bool:
     if kind == "short_convolution":
         return TRANSFORMERS_VERSION >= Version("5.15.0")
     return True
+
+
+def cached_tokens(cache) -> int:
+    """How many tokens ``cache`` holds (``get_seq_length``). A cache of recurrent layers only (a pure
+    state-space model: Mamba, Mamba-2, FalconMamba) does not count them: 0 while no layer has seen
+    a token, else a clear error (nor can transformers continue such a cache)."""
+    if tracks_length(cache) or not recurrent_layer_indices(cache):
+        return cache.get_seq_length()
+    if holds_recurrent_state(cache):
+        raise ValueError(
+            "the cache passed in (past_key_values / cache_params) belongs to a model without attention layers and "
+            "already holds a state: such a cache does not say how many tokens it holds, so it cannot be continued; "
+            "pass the whole text without a cache"
+        )
+    return 0
+
+
+@functools.lru_cache(maxsize=None)
+def _forward_parameters(model_class: type) -> frozenset[str]:
+    return frozenset(inspect.signature(model_class.forward).parameters)
+
+
+def cache_argument(model) -> str:
+    """The name under which ``model.forward`` takes its cache: ``past_key_values``, or ``cache_params``
+    for the pure state-space models of transformers 5.x (Mamba, Mamba-2, FalconMamba)."""
+    parameters = _forward_parameters(type(model))
+    return "cache_params" if "cache_params" in parameters and "past_key_values" not in parameters else "past_key_values"
+
+
+def takes_position_ids(model) -> bool:
+    """Whether ``model.forward`` takes ``position_ids`` (models without attention do not)."""
+    return "position_ids" in _forward_parameters(type(model))
 
 
 def config_layer_types(model) -> list[str] | None:

@@ -6,8 +6,9 @@ decided: each row's emitted tokens are checked against the stopping criteria one
 `stop_strings` and custom criteria stop a row at the same token as plain `generate`, even in the
 middle of a round, and the length budget is never exceeded because no level proposes past it.
 A row that stops leaves the batch's work (it is asked for nothing more). After every round each
-cache holds exactly each row's output minus its last token (transformers' convention), so a
-returned ``past_key_values`` can be continued.
+cache holds at most each row's output minus its last token (exactly that, except that a hybrid
+model's may hold fewer: `hf_polybasic.recurrent`), and a returned ``past_key_values`` holds exactly
+that (transformers' convention), so it can be continued.
 
 Rows are decoded together, each without its left padding (its own positions, processors shifted
 accordingly), so each is exactly as if it had been generated alone; models with sliding-window
@@ -23,7 +24,7 @@ import torch
 from transformers.generation import LogitsProcessorList, StoppingCriteriaList
 
 from .cache import supports_rows
-from .recurrent import batch_refusal_reason
+from .recurrent import batch_refusal_reason, settle
 from .chain import ChainParts, Verifier, build_chain
 from .costs import CostCurves
 from .drafters import Drafter
@@ -171,6 +172,8 @@ def _decode_group(target, request, processors, stopping_criteria, parts, clock, 
                 if runner is not None:
                     runner.prefill_repeated(prompts, request.repeats)
         decoded = decode(chain.top, prompts, max_lengths, stopping_criteria, request, chain.gate, clock)
+        if request.given_cache is not None and len(group) == 1:  # handed back: a hybrid's may hold fewer tokens
+            settle(chain.runners[0], torch.cat([prompts[0], decoded[0].tokens]))
     stats = chain.finish(costs)
     for index, row in enumerate(group):
         results[row] = decoded[index]

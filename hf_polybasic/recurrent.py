@@ -34,6 +34,7 @@ row's pads and holes through its recurrent state.
 from __future__ import annotations
 
 import re
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -141,10 +142,22 @@ class RecurrentLayer:
 _LAYER_NUMBER = re.compile(r"(?:^|\.)(?:layers|blocks|h)\.(\d+)(?:\.|$)")
 
 
+_found: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its recurrent layers
+
+
 def recurrent_layers(model: torch.nn.Module) -> list[RecurrentLayer]:
     """The model's layers that carry recurrent or convolution state, by layer index: the modules of
     a known kind, then any other layer its config marks as recurrent (``layer_types``), then, for a
-    model transformers marks stateful with none of these, the model itself (as layer 0)."""
+    model transformers marks stateful with none of these, the model itself (as layer 0). Found once
+    per model (a chain asks at every call)."""
+    if model not in _found:
+        _found[model] = _recurrent_layers(model)
+    if not _found[model] and compat.is_stateful(model):
+        return [RecurrentLayer(0, STATEFUL, type(model).__name__)]
+    return list(_found[model])
+
+
+def _recurrent_layers(model: torch.nn.Module) -> list[RecurrentLayer]:
     found: dict[int, RecurrentLayer] = {}
     decoder_layers: dict[int, str] = {}
     for name, module in model.named_modules():
@@ -159,8 +172,6 @@ def recurrent_layers(model: torch.nn.Module) -> list[RecurrentLayer]:
     for index, layer_type in enumerate(compat.config_layer_types(model) or ()):
         if layer_type in RECURRENT_LAYER_TYPES and index not in found:
             found[index] = RecurrentLayer(index, UNKNOWN, decoder_layers.get(index, type(model).__name__))
-    if not found and compat.is_stateful(model):
-        found[0] = RecurrentLayer(0, STATEFUL, type(model).__name__)
     return [found[index] for index in sorted(found)]
 
 
@@ -203,11 +214,6 @@ def check_rollback_support(model: torch.nn.Module, cache, role: str, layers: lis
                 f"{role}: cache layer {index} is a {type(held).__name__}, which cannot be rolled back after a "
                 "rejected draft"
             )
-    if not compat.tracks_length(cache):
-        raise ValueError(
-            f"{role}: every layer is a recurrent layer ({first.describe()}): a model without attention layers "
-            "(a pure state-space model) cannot be part of a speculative chain yet; hybrid models can"
-        )
 
 
 def batch_refusal_reason(model: torch.nn.Module) -> str | None:
@@ -251,23 +257,34 @@ class StateHistory:
         return cls(cache, indices, any(layer.kind.steps_one_token for layer in recurrent_layers(model)))
 
     def forward(self, model: torch.nn.Module):
-        """How to run a forward of ``model`` over its cache: the model itself, or, for a kind whose
-        transformers code cannot continue a state over several tokens (`LayerKind.steps_one_token`),
-        a function feeding them one at a time once the cache holds a state."""
-        if not self.steps_one_token:
+        """How to run a forward of ``model`` over its cache, called as
+        ``forward(input_ids=, position_ids=, past_key_values=, **kwargs)``: the model itself, or a
+        function that passes the cache under the name the model takes (`compat.cache_argument`), drops
+        positions a model without attention does not take, and, for a kind whose transformers code
+        cannot continue a state over several tokens (`LayerKind.steps_one_token`), feeds them one at a
+        time once the cache holds a state."""
+        renamed = compat.cache_argument(model) != "past_key_values"
+        positions = compat.takes_position_ids(model)
+        if not (self.steps_one_token or renamed or not positions):
             return model
 
-        def one_token_at_a_time(input_ids, position_ids, **kwargs):
-            if input_ids.shape[1] == 1 or not compat.holds_recurrent_state(self.cache):
-                return model(input_ids=input_ids, position_ids=position_ids, **kwargs)
+        def call(input_ids, position_ids, past_key_values, **kwargs):
+            kwargs[compat.cache_argument(model)] = past_key_values
+            if positions:
+                kwargs["position_ids"] = position_ids
+            return model(input_ids=input_ids, **kwargs)
+
+        def forward(input_ids, position_ids, past_key_values, **kwargs):
+            if not self.steps_one_token or input_ids.shape[1] == 1 or not compat.holds_recurrent_state(self.cache):
+                return call(input_ids, position_ids, past_key_values, **kwargs)
             kwargs.pop("logits_to_keep", None)
             logits = [
-                model(input_ids=input_ids[:, i : i + 1], position_ids=position_ids[:, i : i + 1], **kwargs).logits
+                call(input_ids[:, i : i + 1], position_ids[:, i : i + 1], past_key_values, **kwargs).logits
                 for i in range(input_ids.shape[1])
             ]
             return SteppedOutput(torch.cat(logits, dim=1))
 
-        return one_token_at_a_time
+        return forward
 
     def before_forward(self, runner, context: torch.LongTensor) -> None:
         """Called by ``runner`` (a one-row `CachedModel`) before a forward whose logits start after
@@ -316,6 +333,18 @@ class StateHistory:
     def commit(self) -> None:
         """No rollback reaches before the tokens cached now: drop every copy."""
         self._snapshots.clear()
+
+
+def settle(runner, sequence: torch.LongTensor) -> None:
+    """Make a one-row runner's cache hold ``sequence`` ``[L]`` but its last token, transformers'
+    convention for a cache handed back to the caller: a hybrid model's cache may hold fewer tokens
+    after a rejection (its next forward would re-feed them), so they are fed now. A cache continued
+    by plain `generate` then gets one new token per forward, as after plain `generate` (transformers
+    cannot continue some recurrent kinds over several tokens: `LayerKind.steps_one_token`)."""
+    if runner.states is None or runner.lengths[0] >= sequence.shape[0] - 1:
+        return
+    runner.logits_rows({0: (sequence[:-1], 1)})
+    runner.commit()
 
 
 @dataclass

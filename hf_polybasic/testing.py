@@ -57,6 +57,10 @@ HYBRID_ARCHITECTURES = {
     "lfm2": lambda layers: dict(
         layer_types=["conv", "full_attention"] * (layers // 2), conv_L_cache=3, block_ff_dim=64,
         block_auto_adjust_ff_dim=False),
+    # pure state-space models: no attention layer at all
+    "mamba": lambda layers: dict(state_size=8, expand=2, conv_kernel=4),
+    "mamba2": lambda layers: dict(num_heads=4, head_dim=16, state_size=8, expand=2, n_groups=1, chunk_size=8),
+    "falcon_mamba": lambda layers: dict(state_size=8, expand=2, conv_kernel=4),
 }
 
 VOCAB = 96
