@@ -72,50 +72,50 @@ class LayerKind:
 
 
 GATED_DELTANET = LayerKind(
-    "gated_deltanet", "Gated DeltaNet linear-attention layer",
+    "gated_deltanet", "a Gated DeltaNet linear-attention layer",
     ("Qwen3NextGatedDeltaNet", "Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet", "OlmoHybridGatedDeltaNet"),
     covered=True,
 )
 MAMBA2 = LayerKind(
-    "mamba2", "Mamba-2 state-space layer",
+    "mamba2", "a Mamba-2 state-space layer",
     ("BambaMixer", "FalconH1Mixer", "NemotronHMamba2Mixer", "GraniteMoeHybridMambaLayer", "Zamba2MambaMixer",
      "Mamba2Mixer"),
     covered=True,
 )
-MAMBA = LayerKind("mamba", "Mamba state-space layer", ("JambaMambaMixer", "MambaMixer", "FalconMambaMixer"), covered=True)
-SHORT_CONVOLUTION = LayerKind("short_convolution", "short-convolution layer", ("Lfm2ShortConv", "Lfm2MoeShortConv"), covered=True)
+MAMBA = LayerKind("mamba", "a Mamba state-space layer", ("JambaMambaMixer", "MambaMixer", "FalconMambaMixer"), covered=True)
+SHORT_CONVOLUTION = LayerKind("short_convolution", "a short-convolution layer", ("Lfm2ShortConv", "Lfm2MoeShortConv"), covered=True)
 RWKV = LayerKind(
-    "rwkv", "RWKV time-mix recurrent layer", ("RwkvSelfAttention",), covered=False,
+    "rwkv", "an RWKV time-mix recurrent layer", ("RwkvSelfAttention",), covered=False,
     cause="transformers passes its state between forwards outside any cache (`state`), as a whole",
 )
 RG_LRU = LayerKind(
-    "rg_lru", "RG-LRU recurrent layer (Griffin)", ("RecurrentGemmaRecurrentBlock",), covered=False,
+    "rg_lru", "an RG-LRU (Griffin) recurrent layer", ("RecurrentGemmaRecurrentBlock",), covered=False,
     cause="transformers keeps its state inside the model's modules, not in a cache",
 )
 MLSTM = LayerKind(
-    "mlstm", "mLSTM recurrent layer", ("xLSTMLayer", "xLSTMBlock"), covered=False,
+    "mlstm", "an mLSTM recurrent layer", ("xLSTMLayer", "xLSTMBlock"), covered=False,
     cause="transformers keeps its state in an xLSTMCache, which has no per-layer state hf_polybasic can put back",
 )
 LIGHTNING = LayerKind(
-    "lightning", "lightning (linear) attention layer", ("MiniMaxLightningAttention",), covered=False,
+    "lightning", "a lightning (linear) attention layer", ("MiniMaxLightningAttention",), covered=False,
     cause="transformers keeps its state in a MiniMaxCache outside the shared recurrent cache layers",
 )
 ZAMBA_MAMBA = LayerKind(
-    "zamba_mamba", "Mamba state-space layer (Zamba)", ("ZambaMambaMixer",), covered=False,
+    "zamba_mamba", "a Zamba Mamba state-space layer", ("ZambaMambaMixer",), covered=False,
     cause="its model cannot be built and checked with this transformers release's tiny configurations",
 )
 KIMI_DELTA = LayerKind(
-    "kimi_delta", "Kimi Delta Attention linear-attention layer", ("KimiDeltaAttention", "KimiLinearDeltaAttention"), covered=False,
-    cause="its model has no attention layer in a tiny configuration and is not checked by hf_polybasic's tests",
+    "kimi_delta", "a Kimi Delta Attention linear-attention layer", ("KimiDeltaAttention", "KimiLinearDeltaAttention"),
+    covered=True,
 )
 KINDS: tuple[LayerKind, ...] = (GATED_DELTANET, MAMBA2, MAMBA, SHORT_CONVOLUTION, RWKV, RG_LRU, MLSTM, LIGHTNING,
                                 ZAMBA_MAMBA, KIMI_DELTA)
 UNKNOWN = LayerKind(
-    "unknown", "recurrent layer", (), covered=False,
+    "unknown", "a recurrent layer", (), covered=False,
     cause="it is not a kind hf_polybasic knows how to roll back",
 )
 STATEFUL = LayerKind(
-    "stateful", "stateful model", (), covered=False,
+    "stateful", "a stateful model", (), covered=False,
     cause="transformers marks it as carrying recurrent state, and none of its layers is a kind hf_polybasic knows how "
     "to roll back",
 )
@@ -136,7 +136,7 @@ class RecurrentLayer:
     def describe(self) -> str:
         if self.kind is STATEFUL:
             return f"{self.module} is stateful (recurrent state)"
-        return f"layer {self.index} is a {self.kind.name} ({self.module})"
+        return f"layer {self.index} is {self.kind.name} ({self.module})"
 
 
 _LAYER_NUMBER = re.compile(r"(?:^|\.)(?:layers|blocks|h)\.(\d+)(?:\.|$)")
@@ -176,7 +176,8 @@ def _recurrent_layers(model: torch.nn.Module) -> list[RecurrentLayer]:
 
 
 def covered_kinds() -> str:
-    return ", ".join(kind.name.removesuffix(" layer") for kind in KINDS if kind.covered)
+    """The kinds `StateHistory` rolls back, for messages: "Gated DeltaNet linear-attention, ..."."""
+    return ", ".join(kind.name.split(" ", 1)[1].removesuffix(" layer") for kind in KINDS if kind.covered)
 
 
 def check_rollback_support(model: torch.nn.Module, cache, role: str, layers: list[RecurrentLayer]) -> None:

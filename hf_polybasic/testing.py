@@ -33,6 +33,15 @@ HYBRID_ARCHITECTURES = {
     "qwen3_5_text": lambda layers: dict(
         layer_types=["linear_attention", "full_attention"] * (layers // 2), linear_num_value_heads=4,
         linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=8, head_dim=8),
+    # Gated DeltaNet + attention, MoE (Qwen3.5 MoE)
+    "qwen3_5_moe_text": lambda layers: dict(
+        layer_types=["linear_attention", "full_attention"] * (layers // 2), linear_num_value_heads=4,
+        linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=8, head_dim=8, num_experts=4,
+        num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=16),
+    # Gated DeltaNet + attention (OLMo hybrid)
+    "olmo_hybrid": lambda layers: dict(
+        layer_types=["linear_attention", "full_attention"] * (layers // 2), linear_num_value_heads=4,
+        linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=8),
     # Mamba-2 + attention
     "bamba": lambda layers: dict(
         attn_layer_indices=list(range(1, layers, 2)), mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8,
@@ -57,6 +66,15 @@ HYBRID_ARCHITECTURES = {
     "lfm2": lambda layers: dict(
         layer_types=["conv", "full_attention"] * (layers // 2), conv_L_cache=3, block_ff_dim=64,
         block_auto_adjust_ff_dim=False),
+    # short convolutions + attention, MoE
+    "lfm2_moe": lambda layers: dict(
+        layer_types=["conv", "full_attention"] * (layers // 2), num_dense_layers=1, moe_intermediate_size=16,
+        num_experts=4, num_experts_per_tok=2, conv_L_cache=3),
+    # Kimi Delta Attention + (multi-head latent) attention, MoE
+    "kimi_linear": lambda layers: dict(
+        layer_types=["linear_attention", "full_attention"] * (layers // 2), num_key_value_heads=4, linear_head_dim=8,
+        linear_num_heads=4, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, kv_lora_rank=16, q_lora_rank=16,
+        num_experts=4, num_experts_per_token=2, moe_intermediate_size=16),
     # pure state-space models: no attention layer at all
     "mamba": lambda layers: dict(state_size=8, expand=2, conv_kernel=4),
     "mamba2": lambda layers: dict(num_heads=4, head_dim=16, state_size=8, expand=2, n_groups=1, chunk_size=8),
@@ -96,7 +114,7 @@ def _config(arch: str, vocab: int = VOCAB, layers: int = 2, sliding_window: int 
     if arch in HYBRID_ARCHITECTURES:
         from transformers import AutoConfig, AutoModelForCausalLM
 
-        config = AutoConfig.for_model(arch, **common, **HYBRID_ARCHITECTURES[arch](layers))
+        config = AutoConfig.for_model(arch, **{**common, **HYBRID_ARCHITECTURES[arch](layers)})
         return AutoModelForCausalLM.from_config, config
     raise ValueError(
         f"unknown tiny architecture {arch!r}; choose 'llama', 'qwen2', 'gemma3' or one of {sorted(HYBRID_ARCHITECTURES)}"
@@ -129,9 +147,9 @@ def _amplify_recurrent_layers(model, inputs: float = 3.0, outputs: float = 8.0) 
     for module in model.modules():
         if type(module).__name__ in kinds:
             for name, child in module.named_children():
-                if isinstance(child, torch.nn.Linear) and name.startswith("in_proj"):
+                if isinstance(child, torch.nn.Linear) and name in ("in_proj", "in_proj_qkvz", "q_proj", "k_proj", "v_proj"):
                     child.weight.mul_(inputs)
-                elif isinstance(child, torch.nn.Linear) and name == "out_proj":
+                elif isinstance(child, torch.nn.Linear) and name in ("out_proj", "o_proj"):
                     child.weight.mul_(outputs)
 
 
