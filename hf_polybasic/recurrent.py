@@ -205,9 +205,10 @@ def check_rollback_support(model: torch.nn.Module, cache, role: str, layers: lis
     for layer in layers:
         held = cache.layers[layer.index] if layer.index < len(cache.layers) else None
         if not compat.is_recurrent_cache_layer(held):
+            what = "no layer" if held is None else f"a {type(held).__name__}"
             raise ValueError(
-                f"{role}: {layer.describe()}, but the cache holds a {type(held).__name__} there; pass a cache laid "
-                "out by the model's config (DynamicCache(config=model.config)), or none"
+                f"{role}: {layer.describe()}, but the cache holds {what} there; pass a cache laid out by the model's "
+                "config (DynamicCache(config=model.config)), or none"
             )
     for index, held in enumerate(cache.layers):
         if not compat.is_recurrent_cache_layer(held) and type(held) not in compat.ROLLBACK_LAYER_TYPES:
