@@ -11,7 +11,7 @@ topic:
 * recurrent state (hybrid models, for `hf_polybasic.recurrent`): `is_recurrent_cache_layer`,
   `recurrent_layer_indices`, `read_recurrent_state`, `write_recurrent_state`, `trim_conv_states`,
   `tracks_length`, `cached_tokens`, `cache_argument`, `takes_position_ids`, `holds_recurrent_state`, `continues_state_over_several_tokens`, `config_layer_types` (the conv / recurrent state fields of transformers' linear-attention cache
-  layers, transformers >= 5.14);
+  layers, transformers >= 5.15);
 * models: `accepts_logits_to_keep`, `is_stateful`;
 * generate: `streamer_of_calling_generate` (the caller's frame), `prepared_pad_token_id`
   (``GenerationConfig._pad_token_tensor``), `mark_as_user_config` (``_from_model_config``);
@@ -95,7 +95,7 @@ def new_dynamic_cache(model: torch.nn.Module) -> DynamicCache:
     where sliding layers can record their past (transformers >= 5.15); before that, full layers
     only: a sliding layer there drops what leaves its window, which a rollback may need, while the
     model's attention masks apply the window whatever the layer keeps. A model with recurrent layers
-    (hybrids, transformers >= 5.14) always gets the config's layout: its recurrent layers need their
+    (hybrids, transformers >= 5.15) always gets the config's layout: its recurrent layers need their
     own cache layers."""
     laid_out = DynamicCache(config=model.config.get_text_config(decoder=True))
     if HAS_PAST_RECORDING or recurrent_layer_indices(laid_out):
@@ -195,16 +195,19 @@ def _trim_sliding_layer_tail(layer: DynamicSlidingWindowLayer, count: int) -> No
 
 
 # --- recurrent state (hybrid models) ------------------------------------------------------------------
-# transformers >= 5.14 keeps the state of every linear-attention, state-space and short-convolution
+# transformers >= 5.15 keeps the state of every linear-attention, state-space and short-convolution
 # layer in cache layers of one kind (``LinearAttentionCacheLayerMixin``), with per-state dicts
-# ``conv_states``, ``recurrent_states``, ``has_previous_state`` and ``conv_kernel_size``. 5.5 - 5.13
-# had the same class with single tensors (and multi-token forwards that restarted the state), and
-# earlier releases one cache class per family (``HybridMambaAttentionDynamicCache``, ``MambaCache``,
-# ``Qwen3NextDynamicCache``, ...): there hybrid models are refused.
+# ``conv_states``, ``recurrent_states``, ``has_previous_state`` and ``conv_kernel_size`` (checked on
+# 5.15.1, 5.18.0, 5.22.2, 5.23.0). Hybrid models are refused on earlier releases: 5.14 has that layout
+# but some families still keep state elsewhere (OLMo hybrid) or continue it wrongly over several
+# tokens (Nemotron-H, LFM2); 5.5 - 5.13 had the class with single tensors; 4.57 - 5.4 one cache class
+# per family (``HybridMambaAttentionDynamicCache``, ``MambaCache``, ``Qwen3NextDynamicCache``, ...).
 try:
     from transformers.cache_utils import LinearAttentionCacheLayerMixin, LinearAttentionLayer
 
-    HAS_RECURRENT_CACHE_LAYERS = isinstance(LinearAttentionLayer().conv_states, dict)
+    HAS_RECURRENT_CACHE_LAYERS = TRANSFORMERS_VERSION >= Version("5.15.0") and isinstance(
+        LinearAttentionLayer().conv_states, dict
+    )
 except ImportError:  # pragma: no cover - transformers < 5.5
     LinearAttentionCacheLayerMixin = None
     HAS_RECURRENT_CACHE_LAYERS = False
@@ -238,20 +241,14 @@ def holds_recurrent_state(cache) -> bool:
 
 
 # Layer kinds (`hf_polybasic.recurrent.LayerKind.key`) whose transformers code does not continue a
-# cached state in a forward of several tokens, with the releases that holds for (checked by
-# tests/test_compat.py on the installed release): their one-token path is right.
-# * "mamba": Jamba, Mamba and FalconMamba layers, transformers 5.14 - 5.23 (and no release seen
-#   since): the selective scan of a forward of several tokens starts from a zero state (it takes no
-#   initial state; 5.14 also drops the convolution's context);
-# * "short_convolution": LFM2, transformers 5.14 (its convolution drops the cached context).
+# cached state in a forward of several tokens (checked by tests/test_compat.py on the installed
+# release): "mamba", the Mamba (1) layers of Jamba, Mamba and FalconMamba, transformers 5.14 - 5.23
+# (no release seen since): the selective scan of a forward of several tokens starts from a zero state
+# (it takes no initial state). Their one-token path is right.
 def continues_state_over_several_tokens(kind: str) -> bool:
     """Whether transformers' layers of ``kind`` continue their cached state correctly over a forward of
     several tokens on this release (else they must be fed one token at a time once they hold state)."""
-    if kind == "mamba":
-        return False
-    if kind == "short_convolution":
-        return TRANSFORMERS_VERSION >= Version("5.15.0")
-    return True
+    return kind != "mamba"
 
 
 def cached_tokens(cache) -> int:

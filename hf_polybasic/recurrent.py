@@ -26,7 +26,7 @@ memory traffic costs little, and is exact by construction.
 
 Not covered, and refused by name (`check_rollback_support`): layers whose state transformers keeps
 outside its cache layers (RWKV, RecurrentGemma, xLSTM, MiniMax's lightning attention), unknown
-recurrent layers, transformers releases before 5.14 (each family had its own cache class then).
+recurrent layers, transformers releases before 5.15 (families kept or continued their state their own ways).
 Batches of a hybrid model decode row by row (`batch_refusal_reason`): a shared forward feeds a
 row's pads and holes through its recurrent state.
 """
@@ -193,9 +193,10 @@ def check_rollback_support(model: torch.nn.Module, cache, role: str, layers: lis
     first = layers[0]
     if not compat.HAS_RECURRENT_CACHE_LAYERS:
         raise ValueError(
-            f"{role}: {first.describe()}; transformers {compat.TRANSFORMERS_VERSION} keeps its state in a cache "
-            "class of the model family that hf_polybasic cannot roll back. Hybrid and state-space models need "
-            "transformers >= 5.14, where every family keeps it in the same cache layers"
+            f"{role}: {first.describe()}, and transformers {compat.TRANSFORMERS_VERSION} is older than 5.15: before "
+            "it, model families kept such state in cache classes of their own (4.57 - 5.4) or continued it in ways "
+            "of their own (5.14), which hf_polybasic does not roll back. Hybrid and state-space models need "
+            "transformers >= 5.15"
         )
     if not compat.is_dynamic_cache(cache):
         raise ValueError(

@@ -21,7 +21,7 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-# Tiny hybrid models (transformers >= 5.14): each family's recurrent layers mixed with attention
+# Tiny hybrid models (transformers >= 5.15): each family's recurrent layers mixed with attention
 # layers, smallest settings that build; ``layers`` is the depth (layer kinds alternate).
 HYBRID_ARCHITECTURES = {
     # Gated DeltaNet + attention (MoE MLPs)

@@ -24,7 +24,7 @@ from hf_polybasic.integration import make_generate
 from hf_polybasic.testing import EOS, PAD, make_target, noisy_copy, prompt
 
 pytestmark = pytest.mark.skipif(
-    not compat.HAS_RECURRENT_CACHE_LAYERS, reason="transformers < 5.14 refuses hybrids (tests/test_compat.py)"
+    not compat.HAS_RECURRENT_CACHE_LAYERS, reason="transformers < 5.15 refuses hybrids (tests/test_compat.py)"
 )
 
 # every covered family, with the kind of its recurrent layers
@@ -43,7 +43,10 @@ def _chain(shared_models, arch: str, depth: int, layers: int = 2, seed: int = 7)
     """[target, M2, ..., M_depth]: a tiny hybrid and noisy copies of it (partial acceptance)."""
 
     def make():
-        target = make_target(arch, seed=seed, layers=layers)
+        try:
+            target = make_target(arch, seed=seed, layers=layers)
+        except ValueError as error:  # a family this release does not have (Kimi Linear before 5.16 or so)
+            pytest.skip(f"{arch} cannot be built on transformers {compat.TRANSFORMERS_VERSION}: {error}")
         return [target] + [noisy_copy(target, noise, seed + 100 + i) for i, noise in enumerate(NOISES)]
 
     return shared_models.built(("hybrid", arch, layers, seed), make)[:depth]
