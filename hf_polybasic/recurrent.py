@@ -108,8 +108,8 @@ KIMI_DELTA = LayerKind(
     "kimi_delta", "a Kimi Delta Attention linear-attention layer", ("KimiDeltaAttention", "KimiLinearDeltaAttention"),
     covered=True,
 )
-KINDS: tuple[LayerKind, ...] = (GATED_DELTANET, MAMBA2, MAMBA, SHORT_CONVOLUTION, RWKV, RG_LRU, MLSTM, LIGHTNING,
-                                ZAMBA_MAMBA, KIMI_DELTA)
+KINDS: tuple[LayerKind, ...] = (GATED_DELTANET, KIMI_DELTA, MAMBA2, MAMBA, SHORT_CONVOLUTION, RWKV, RG_LRU, MLSTM,
+                                LIGHTNING, ZAMBA_MAMBA)
 UNKNOWN = LayerKind(
     "unknown", "a recurrent layer", (), covered=False,
     cause="it is not a kind hf_polybasic knows how to roll back",

@@ -58,6 +58,10 @@ HYBRID_ARCHITECTURES = {
     "granitemoehybrid": lambda layers: dict(
         layer_types=["mamba", "attention"] * (layers // 2), mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8,
         mamba_n_groups=1, mamba_expand=2, mamba_chunk_size=8, num_local_experts=4, num_experts_per_tok=2),
+    # Mamba-2 layers, and a shared attention block beside Mamba-2 in every other layer (Zamba 2)
+    "zamba2": lambda layers: dict(
+        layers_block_type=["mamba", "hybrid"] * (layers // 2), num_key_value_heads=4, n_mamba_heads=4,
+        mamba_d_state=8, mamba_ngroups=1, mamba_expand=2, chunk_size=8, attention_head_dim=8, num_mem_blocks=1),
     # Mamba (1) + attention, MoE
     "jamba": lambda layers: dict(
         attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1, num_experts=2,

@@ -31,7 +31,7 @@ pytestmark = pytest.mark.skipif(
 FAMILIES = {
     "qwen3_next": "Gated DeltaNet", "qwen3_5_text": "Gated DeltaNet", "qwen3_5_moe_text": "Gated DeltaNet",
     "olmo_hybrid": "Gated DeltaNet", "kimi_linear": "Kimi Delta Attention", "bamba": "Mamba-2", "falcon_h1": "Mamba-2",
-    "nemotron_h": "Mamba-2", "granitemoehybrid": "Mamba-2", "jamba": "Mamba state-space", "lfm2": "short-convolution",
+    "nemotron_h": "Mamba-2", "granitemoehybrid": "Mamba-2", "zamba2": "Mamba-2", "jamba": "Mamba state-space", "lfm2": "short-convolution",
     "lfm2_moe": "short-convolution", "mamba": "Mamba state-space", "mamba2": "Mamba-2",
     "falcon_mamba": "Mamba state-space",
 }

@@ -158,7 +158,7 @@ def measure(model: torch.nn.Module, vocab: int, ks: Sequence[int] = (2, 4, 8, 16
 def markdown(result: dict) -> str:
     lines = [
         f"Recurrent state copied per round: {result['state_bytes'] / 2**20:.1f} MiB; medians of {result['repeats']} "
-        f"interleaved repeats, {result['threads']} threads; CPU {result['cpu']}, flags {' '.join(result['cpu_flags'] or [])}.",
+        f"interleaved repeats; torch threads: {result['threads']}; CPU {result['cpu']}, flags {' '.join(result['cpu_flags'] or [])}.",
         "",
         "| k | kept | T(k+1) ms | copy ms | restore ms | re-fed tokens | re-feed ms | rollback ms | % of T(k+1) |",
         "|---|---|---|---|---|---|---|---|---|",
