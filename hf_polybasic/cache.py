@@ -84,6 +84,9 @@ class CachedModel:
         forward_passes: forward calls made (F_i in the paper; one per batched forward).
         cost_observer: told ``observe(tokens computed, seconds)`` after every forward, when set (a
             `hf_polybasic.costs.CostEstimate` following what forwards cost on this machine now).
+        states: for a model with recurrent layers (one row), the copies of their state that a
+            rollback restores (`hf_polybasic.recurrent.StateHistory`: its length may then drop below
+            the one asked, and the next forward re-feeds the difference); else None.
     """
 
     def __init__(

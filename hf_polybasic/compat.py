@@ -8,10 +8,14 @@ topic:
   `record_past_states`, `stop_recording_past_states`, `remove_last_tokens`, `restrict_sliding_layers`
   (cache layer classes and their ``keys``, ``values``, ``cumulative_length``, ``is_initialized``,
   ``record_past`` fields; ``crop``'s argument);
-* recurrent state (hybrid models, for `hf_polybasic.recurrent`): `is_recurrent_cache_layer`,
-  `recurrent_layer_indices`, `read_recurrent_state`, `write_recurrent_state`, `trim_conv_states`,
-  `tracks_length`, `cached_tokens`, `cache_argument`, `takes_position_ids`, `holds_recurrent_state`, `continues_state_over_several_tokens`, `config_layer_types` (the conv / recurrent state fields of transformers' linear-attention cache
-  layers, transformers >= 5.15);
+* recurrent state (hybrid models, for `hf_polybasic.recurrent`, transformers >= 5.15):
+  `is_recurrent_cache_layer`, `recurrent_layer_indices`, `read_recurrent_state`,
+  `write_recurrent_state`, `trim_conv_states`, `tracks_length`, `holds_recurrent_state`,
+  `cached_tokens`, `continues_state_over_several_tokens` (the ``conv_states``,
+  ``recurrent_states``, ``has_previous_state``, ``conv_kernel_size`` fields of transformers'
+  linear-attention cache layers; which layer code continues a state over several tokens);
+  `cache_argument`, `takes_position_ids`, `config_layer_types` (how a model takes its cache and
+  positions, its config's ``layer_types``);
 * models: `accepts_logits_to_keep`, `is_stateful`;
 * generate: `streamer_of_calling_generate` (the caller's frame), `prepared_pad_token_id`
   (``GenerationConfig._pad_token_tensor``), `mark_as_user_config` (``_from_model_config``);
