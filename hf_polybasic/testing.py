@@ -1,7 +1,9 @@
 """Tiny random models and a tokenizer built in code (no downloads), for tests, docs and examples.
 
 `make_chain` gives a target and noisy copies of it standing in for cheaper models of the same
-family, so drafts are often, but not always, accepted. `make_tokenizer` is a character-level
+family, so drafts are often, but not always, accepted. `make_target` also builds tiny hybrid and
+state-space models (`HYBRID_ARCHITECTURES`: Qwen3-Next, Qwen3.5, Bamba, Jamba, LFM2, Mamba, ...),
+their recurrent layers amplified so that a state left advanced changes their output. `make_tokenizer` is a character-level
 tokenizer over the same tiny vocabulary, so pipelines, streamers and stop strings work.
 """
 
