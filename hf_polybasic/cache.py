@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from . import compat
+from . import compat, recurrent
 from .timing import DEFAULT_CLOCK, Clock, cuda_devices, synchronize, timed
 
 
@@ -40,6 +40,10 @@ def check_rollback_support(model: torch.nn.Module, cache, role: str) -> None:
 
     ``role`` names the model in messages, e.g. "target M1 LlamaForCausalLM".
     """
+    layers = recurrent.recurrent_layers(model)
+    if layers:  # hybrid models: hf_polybasic.recurrent checks them
+        recurrent.check_rollback_support(model, cache, role, layers)
+        return
     if compat.is_stateful(model):
         raise ValueError(
             f"{role} is stateful (recurrent/SSM state); its state cannot be rolled back after a rejected draft, "
@@ -90,6 +94,9 @@ class CachedModel:
         cost_observer: told ``observe(tokens computed, seconds, rows)`` after every forward, when set
             (a `hf_polybasic.costs.CostEstimate` following what forwards cost on this machine now).
         compactions: times a batch's cache was compacted.
+        states: for a model with recurrent layers (one row), the copies of their state that a
+            rollback restores (`hf_polybasic.recurrent.StateHistory`: its length may then drop below
+            the one asked, and the next forward re-feeds the difference); else None.
     """
 
     def __init__(
@@ -112,9 +119,10 @@ class CachedModel:
         if cache is not None:
             check_rollback_support(model, cache, role)
             compat.record_past_states(cache)
-        if rows > 1 and (cache is None or cache.get_seq_length() > 0):
+        self.states = recurrent.StateHistory.of(model, cache, rows, role)  # hybrid models: recurrent state copies
+        if rows > 1 and (cache is None or compat.cached_tokens(cache) > 0):
             raise ValueError(f"{role}: a batch of rows needs an empty cache of its own")
-        first = cache.get_seq_length() if cache is not None else 0
+        first = compat.cached_tokens(cache) if cache is not None else 0
         self.lengths = [first] * rows
         self._slots = [list(range(first)) for _ in range(rows)]  # physical slot of each cached token
         # a batch: each live row's index in the cache's batch (None once released), and which slots hold a
@@ -163,6 +171,8 @@ class CachedModel:
             first_needed = sequence.shape[0] - num_positions
             if self.lengths[row] > first_needed:
                 self.rollback_rows({row: first_needed})
+            if self.states is not None:  # hybrid model: copy its recurrent state first
+                self.states.before_forward(self, sequence[:first_needed])
             fed[row] = sequence[0 if self.cache is None else self.lengths[row] :]
         if self._ids_need_check:
             self._check_ids(torch.cat(list(fed.values())))
@@ -190,7 +200,8 @@ class CachedModel:
         else:
             start = self.lengths[0]
             positions = torch.arange(start, start + fed.shape[0], device=self.device).unsqueeze(0)
-            outputs = self.model(
+            forward = self.model if self.states is None else self.states.forward(self.model)  # hybrid model
+            outputs = forward(
                 input_ids=inputs, position_ids=positions, past_key_values=self.cache, use_cache=True, **kwargs
             )
             self._slots[0].extend(range(start, start + fed.shape[0]))
@@ -288,6 +299,8 @@ class CachedModel:
             length = lengths.get(0, self.lengths[0])
             if length < self.lengths[0]:
                 if self.cache is not None:
+                    if self.states is not None:  # hybrid model: back to a copy of its recurrent state
+                        length = self.states.restore(length)  # (at most `length` tokens: the next forward re-feeds)
                     compat.remove_last_tokens(self.cache, self.lengths[0] - length)
                     del self._slots[0][length:]
                 self.lengths[0] = length
@@ -360,3 +373,5 @@ class CachedModel:
             compat.restrict_sliding_layers(self.cache)
             if self.rows > 1:
                 self._compact_if_sparse()
+        if self.states is not None:
+            self.states.commit()

@@ -9,6 +9,14 @@ topic:
   `select_batch_rows`, `gather_slots`
   (cache layer classes and their ``keys``, ``values``, ``cumulative_length``, ``is_initialized``,
   ``record_past`` fields; ``crop``'s argument);
+* recurrent state (hybrid models, for `hf_polybasic.recurrent`, transformers >= 5.15):
+  `is_recurrent_cache_layer`, `recurrent_layer_indices`, `read_recurrent_state`,
+  `write_recurrent_state`, `trim_conv_states`, `tracks_length`, `holds_recurrent_state`,
+  `cached_tokens`, `continues_state_over_several_tokens` (the ``conv_states``,
+  ``recurrent_states``, ``has_previous_state``, ``conv_kernel_size`` fields of transformers'
+  linear-attention cache layers; which layer code continues a state over several tokens);
+  `cache_argument`, `takes_position_ids`, `config_layer_types` (how a model takes its cache and
+  positions, its config's ``layer_types``);
 * models: `accepts_logits_to_keep`, `is_stateful`;
 * generate: `streamer_of_calling_generate` (the caller's frame), `prepared_pad_token_id`
   (``GenerationConfig._pad_token_tensor``), `mark_as_user_config` (``_from_model_config``);
@@ -74,6 +82,14 @@ except ImportError:  # pragma: no cover - older releases
     ROLLBACK_LAYER_TYPES = (DynamicLayer, DynamicSlidingWindowLayer)
 
 
+try:  # a layer type that holds nothing (transformers 5.x: "mlp"/"moe" layers of Nemotron-H and the like)
+    from transformers.cache_utils import DummyLayer
+
+    ROLLBACK_LAYER_TYPES = (*ROLLBACK_LAYER_TYPES, DummyLayer)
+except ImportError:  # pragma: no cover - older releases
+    pass
+
+
 # transformers >= 5.15: sliding-window layers can keep the states that leave their window
 # (``activate_past_recording``), so a rollback can reach back across several rounds
 HAS_PAST_RECORDING = hasattr(DynamicSlidingWindowLayer, "activate_past_recording")
@@ -83,9 +99,12 @@ def new_dynamic_cache(model: torch.nn.Module) -> DynamicCache:
     """A fresh `DynamicCache` for ``model``: laid out by its config (sliding layers where it says so)
     where sliding layers can record their past (transformers >= 5.15); before that, full layers
     only: a sliding layer there drops what leaves its window, which a rollback may need, while the
-    model's attention masks apply the window whatever the layer keeps."""
-    if HAS_PAST_RECORDING:
-        return DynamicCache(config=model.config.get_text_config(decoder=True))
+    model's attention masks apply the window whatever the layer keeps. A model with recurrent layers
+    (hybrids, transformers >= 5.15) always gets the config's layout: its recurrent layers need their
+    own cache layers."""
+    laid_out = DynamicCache(config=model.config.get_text_config(decoder=True))
+    if HAS_PAST_RECORDING or recurrent_layer_indices(laid_out):
+        return laid_out
     return DynamicCache()
 
 
@@ -134,7 +153,7 @@ def replaceable_empty_cache(cache, made_by_generate: bool) -> bool:
     replaces: one that `generate` built for ``cache_implementation`` (static, hybrid, quantized; some
     hub configs set it), or, before transformers 5.15, one with sliding-window layers (they cannot
     record their past there). A cache the caller built stays theirs: it is used or refused."""
-    if cache.get_seq_length() != 0:
+    if cached_tokens(cache) != 0:
         return False
     if not is_dynamic_cache(cache):
         return made_by_generate
@@ -163,24 +182,31 @@ def record_past_states(cache) -> None:
 
 def stop_recording_past_states(cache) -> None:
     """Undo `record_past_states` on a cache handed back to the caller: its sliding layers drop what
-    leaves their window again (``record_past``, transformers >= 5.15; as `generate` itself does)."""
+    leaves their window again (``record_past``, transformers >= 5.15; as `generate` itself does), and
+    its convolution states keep their kernel's width only."""
     for layer in getattr(cache, "layers", ()):
         if getattr(layer, "record_past", False):
             layer.record_past = False
+    trim_conv_states(cache)  # a layer that no longer records updates its convolution state in place
 
 
 def remove_last_tokens(cache, count: int) -> None:
-    """Drop the last ``count`` tokens of every layer; sliding layers keep their recorded past.
+    """Drop the last ``count`` tokens of every attention layer; sliding layers keep their recorded past.
 
     Full layers use the public ``crop(-count)``. A sliding layer is trimmed by hand
     (``keys``/``values``/``cumulative_length``), because its ``crop`` also restricts it to the window,
-    after which an intermediate level could no longer roll back over several rounds.
+    after which an intermediate level could no longer roll back over several rounds. The recurrent
+    and convolution state of a linear-attention layer is left alone (`hf_polybasic.recurrent` puts
+    it back); only the attention part of a layer holding both is cut.
     """
     if count <= 0:
         return
     for layer in cache.layers:
         if isinstance(layer, DynamicSlidingWindowLayer):
             _trim_sliding_layer_tail(layer, count)
+        elif is_recurrent_cache_layer(layer):
+            if isinstance(layer, DynamicLayer):  # e.g. Falcon-H1: attention and Mamba-2 side by side
+                DynamicLayer.crop(layer, -count)
         else:
             layer.crop(-count)
 
@@ -235,6 +261,144 @@ def _gather_along(tensor: torch.Tensor, index: torch.LongTensor, dim: int) -> to
         index.shape[1] if axis == dim else size for axis, size in enumerate(tensor.shape)
     ])
     return tensor.gather(dim, expanded)
+
+
+# --- recurrent state (hybrid models) ------------------------------------------------------------------
+# transformers >= 5.15 keeps the state of every linear-attention, state-space and short-convolution
+# layer in cache layers of one kind (``LinearAttentionCacheLayerMixin``), with per-state dicts
+# ``conv_states``, ``recurrent_states``, ``has_previous_state`` and ``conv_kernel_size`` (checked on
+# 5.15.1, 5.18.0, 5.22.2, 5.23.0). Hybrid models are refused on earlier releases: 5.14 has that layout
+# but some families still keep state elsewhere (OLMo hybrid) or continue it wrongly over several
+# tokens (Nemotron-H, LFM2); 5.5 - 5.13 had the class with single tensors; 4.57 - 5.4 one cache class
+# per family (``HybridMambaAttentionDynamicCache``, ``MambaCache``, ``Qwen3NextDynamicCache``, ...).
+try:
+    from transformers.cache_utils import LinearAttentionCacheLayerMixin, LinearAttentionLayer
+
+    HAS_RECURRENT_CACHE_LAYERS = TRANSFORMERS_VERSION >= Version("5.15.0") and isinstance(
+        LinearAttentionLayer().conv_states, dict
+    )
+except ImportError:  # pragma: no cover - transformers < 5.5
+    LinearAttentionCacheLayerMixin = None
+    HAS_RECURRENT_CACHE_LAYERS = False
+
+# the layer types of a config (``layer_types``) that are not attention
+ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "chunked_attention", "attention"})
+
+
+def is_recurrent_cache_layer(layer) -> bool:
+    """Whether a cache layer holds recurrent / convolution state in transformers' shared layout."""
+    return LinearAttentionCacheLayerMixin is not None and isinstance(layer, LinearAttentionCacheLayerMixin)
+
+
+def recurrent_layer_indices(cache) -> list[int]:
+    """Indices of the cache layers holding recurrent / convolution state (`is_recurrent_cache_layer`)."""
+    return [index for index, layer in enumerate(getattr(cache, "layers", ())) if is_recurrent_cache_layer(layer)]
+
+
+def tracks_length(cache) -> bool:
+    """Whether ``cache`` has a layer that counts the tokens it holds (an attention layer, alone or
+    beside a recurrent state): a cache of recurrent layers only cannot tell its length
+    (``get_seq_length`` raises)."""
+    return any(isinstance(layer, DynamicLayer) for layer in getattr(cache, "layers", ()))
+
+
+def holds_recurrent_state(cache) -> bool:
+    """Whether a recurrent layer of ``cache`` has seen a token (its next forward continues a state)."""
+    return any(
+        any(cache.layers[index].has_previous_state.values()) for index in recurrent_layer_indices(cache)
+    )
+
+
+# Layer kinds (`hf_polybasic.recurrent.LayerKind.key`) whose transformers code does not continue a
+# cached state in a forward of several tokens (checked by tests/test_compat.py on the installed
+# release): "mamba", the Mamba (1) layers of Jamba, Mamba and FalconMamba, transformers 5.14 - 5.23
+# (no release seen since): the selective scan of a forward of several tokens starts from a zero state
+# (it takes no initial state). Their one-token path is right.
+def continues_state_over_several_tokens(kind: str) -> bool:
+    """Whether transformers' layers of ``kind`` continue their cached state correctly over a forward of
+    several tokens on this release (else they must be fed one token at a time once they hold state)."""
+    return kind != "mamba"
+
+
+def cached_tokens(cache) -> int:
+    """How many tokens ``cache`` holds (``get_seq_length``). A cache of recurrent layers only (a pure
+    state-space model: Mamba, Mamba-2, FalconMamba) does not count them: 0 while no layer has seen
+    a token, else a clear error (nor can transformers continue such a cache)."""
+    if tracks_length(cache) or not recurrent_layer_indices(cache):
+        return cache.get_seq_length()
+    if holds_recurrent_state(cache):
+        raise ValueError(
+            "the cache passed in (past_key_values / cache_params) belongs to a model without attention layers and "
+            "already holds a state: such a cache does not say how many tokens it holds, so it cannot be continued; "
+            "pass the whole text without a cache"
+        )
+    return 0
+
+
+@functools.lru_cache(maxsize=None)
+def _forward_parameters(model_class: type) -> frozenset[str]:
+    return frozenset(inspect.signature(model_class.forward).parameters)
+
+
+def cache_argument(model) -> str:
+    """The name under which ``model.forward`` takes its cache: ``past_key_values``, or ``cache_params``
+    for the pure state-space models of transformers 5.x (Mamba, Mamba-2, FalconMamba)."""
+    parameters = _forward_parameters(type(model))
+    return "cache_params" if "cache_params" in parameters and "past_key_values" not in parameters else "past_key_values"
+
+
+def takes_position_ids(model) -> bool:
+    """Whether ``model.forward`` takes ``position_ids`` (models without attention do not)."""
+    return "position_ids" in _forward_parameters(type(model))
+
+
+def config_layer_types(model) -> list[str] | None:
+    """The config's ``layer_types`` (e.g. ``["linear_attention", "full_attention", ...]``), if it has them."""
+    layer_types = getattr(model.config.get_text_config(decoder=True), "layer_types", None)
+    return None if layer_types is None else [str(kind) for kind in layer_types]
+
+
+# One state of a recurrent cache layer: (has_previous_state, conv state, recurrent state); the
+# tensors are the layer's own (`read_recurrent_state` callers copy what they keep).
+RecurrentState = tuple[bool, "torch.Tensor | None", "torch.Tensor | None"]
+
+
+def read_recurrent_state(layer) -> list[RecurrentState]:
+    """Each state of a recurrent cache layer (a layer may hold several, e.g. Kimi's q/k/v convs):
+    whether it has seen a token, its convolution state cut to the kernel's width (the columns the
+    next forward reads; more are kept while ``record_past`` is on) and its recurrent state."""
+    states = []
+    for index in range(layer.number_of_states):
+        conv = layer.conv_states[index]
+        if conv is not None and layer.conv_kernel_size[index] is not None:
+            conv = conv[..., -layer.conv_kernel_size[index] :]
+        states.append((bool(layer.has_previous_state[index]), conv, layer.recurrent_states[index]))
+    return states
+
+
+def write_recurrent_state(layer, states: list[RecurrentState]) -> None:
+    """Put ``states`` (from `read_recurrent_state`) into the layer, which then uses those tensors
+    (no copy). A state that had seen no token makes the layer start afresh there (as a new cache)."""
+    for index, (seen, conv, recurrent) in enumerate(states):
+        layer.has_previous_state[index] = seen
+        if seen:
+            layer.conv_states[index] = conv
+            layer.recurrent_states[index] = recurrent
+        else:  # nothing seen yet: its tensors are read as zeros, if at all
+            for tensor in (layer.conv_states[index], layer.recurrent_states[index]):
+                if tensor is not None:
+                    tensor.zero_()
+
+
+def trim_conv_states(cache) -> None:
+    """Cut every convolution state to its kernel's width: what a layer that does not record its past
+    keeps (and what its in-place update expects); done before a cache is handed back."""
+    for index in recurrent_layer_indices(cache):
+        layer = cache.layers[index]
+        for state in range(layer.number_of_states):
+            conv, width = layer.conv_states[state], layer.conv_kernel_size[state]
+            if conv is not None and width is not None and conv.shape[-1] > width:
+                layer.conv_states[state] = conv[..., -width:].contiguous()
 
 
 def restrict_sliding_layers(cache) -> None:

@@ -6,14 +6,15 @@ decided: each row's emitted tokens are checked against the stopping criteria one
 `stop_strings` and custom criteria stop a row at the same token as plain `generate`, even in the
 middle of a round, and the length budget is never exceeded because no level proposes past it.
 A row that stops leaves the batch's work (it is asked for nothing more). After every round each
-cache holds exactly each row's output minus its last token (transformers' convention), so a
-returned ``past_key_values`` can be continued.
+cache holds at most each row's output minus its last token (exactly that, except that a hybrid
+model's may hold fewer: `hf_polybasic.recurrent`), and a returned ``past_key_values`` holds exactly
+that (transformers' convention), so it can be continued.
 
 Rows are decoded together, each without its left padding (its own positions, processors shifted
 accordingly), so each is exactly as if it had been generated alone; where rows cannot share
-forwards exactly (windowed attention, a model that takes positions from its cache's layout, a
-Drafter that keeps state, ``use_cache=False``) a batch is decoded row by row, with the reason said
-(`row_by_row_reason`).
+forwards exactly (windowed attention, recurrent layers, a model that takes positions from its
+cache's layout, a Drafter that keeps state, ``use_cache=False``) a batch is decoded row by row,
+with the reason said (`row_by_row_reason`).
 """
 
 from __future__ import annotations
@@ -24,8 +25,8 @@ from dataclasses import dataclass, field
 import torch
 from transformers.generation import LogitsProcessorList, StoppingCriteriaList
 
-from .cache import model_label
-from .chain import ChainParts, Verifier, build_chain
+from .recurrent import batch_refusal_reason, settle
+from .chain import ChainParts, Verifier, build_chain, level_names
 from .costs import CostCurves
 from .drafters import Drafter
 from .probe import check_cache, rows_problem
@@ -112,9 +113,11 @@ def first_stops(rounds: dict, sequences: dict[int, torch.LongTensor], stopping_c
 def row_by_row_reason(target: torch.nn.Module, assistants: list, use_cache: bool = True) -> str | None:
     """Why the rows of a batch cannot share forwards, or None: without a cache each forward
     recomputes its rows' whole sequences; a `Drafter` that keeps state serves one row; a model
-    whose rows would see each other's cache layout (`hf_polybasic.probe.rows_problem`: windowed
-    attention, a forward that fails on holes, or for the target, whose logits decide the output,
-    positions taken from the cache's layout) decodes each row alone."""
+    with recurrent layers (`hf_polybasic.recurrent.batch_refusal_reason`: a shared forward would
+    advance its state over the other rows' holes) or whose rows would see each other's cache layout
+    (`hf_polybasic.probe.rows_problem`: windowed attention, a forward that fails on holes, or for the
+    target, whose logits decide the output, positions taken from the cache's layout) decodes each
+    row alone."""
     if not use_cache:
         return "use_cache=False (every forward recomputes its rows' whole sequences)"
     for model in [target, *assistants]:
@@ -122,7 +125,7 @@ def row_by_row_reason(target: torch.nn.Module, assistants: list, use_cache: bool
             if not getattr(model, "stateless", False):
                 return f"the Drafter {type(model).__name__} keeps state between calls (Drafter.stateless is False)"
             continue
-        problem = rows_problem(model, compare_logits=model is target)
+        problem = batch_refusal_reason(model) or rows_problem(model, compare_logits=model is target)
         if problem is not None:
             return problem
     return None
@@ -158,9 +161,11 @@ def decode_rows(
     cost-aware schedule uses (and refreshes). Every model that decodes on a cache is checked first
     (`hf_polybasic.probe.check_cache`)."""
     use_cache = request.caches[0] is not None
-    for role, model in [("target", target)] + [(f"assistant_models[{i}]", m) for i, m in enumerate(request.assistants)]:
+    names = level_names(target, request.assistants)  # the roles the chain names its models by
+    roles = [f"target {names[0]}"] + [f"assistant_models[{i}] ({names[i + 1]})" for i in range(len(request.assistants))]
+    for role, model in zip(roles, [target, *request.assistants]):
         if not isinstance(model, Drafter) and (use_cache or model is not target):
-            check_cache(model, f"{role} {model_label(model)}")
+            check_cache(model, role)
     rows = list(range(len(request.rows)))
     groups = [rows]
     if len(rows) > 1:
@@ -210,6 +215,8 @@ def _decode_group(target, request, processors, stopping_criteria, parts, clock, 
                 if runner is not None:
                     runner.prefill_repeated(prompts, request.repeats)
         decoded = decode(chain.top, prompts, max_lengths, stopping_criteria, request, chain.gate, clock)
+        if request.given_cache is not None and len(group) == 1:  # handed back: a hybrid's may hold fewer tokens
+            settle(chain.runners[0], torch.cat([prompts[0], decoded[0].tokens]))
     stats = chain.finish(costs)
     for index, row in enumerate(group):
         results[row] = decoded[index]

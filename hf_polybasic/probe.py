@@ -26,7 +26,7 @@ import weakref
 import torch
 
 from . import compat
-from .cache import CachedModel, input_vocabulary_size, model_label
+from .cache import CachedModel, check_rollback_support, input_vocabulary_size, model_label
 
 # A probe's logits count as different from the reference when they are off by more than a share of
 # the reference's largest logit (`TOLERANCE`, by the model's dtype: the rounding of a forward over a
@@ -102,7 +102,8 @@ def _check_cache(model: torch.nn.Module) -> str | None:
         for number, (sequence, count) in enumerate(steps):
             fed = sequence.shape[0] - runner.length
             logits = runner.logits(sequence, count)
-            if runner.cache.get_seq_length() != sequence.shape[0]:
+            # a cache of recurrent layers only (a pure state-space model) cannot count its tokens
+            if compat.tracks_length(runner.cache) and compat.cached_tokens(runner.cache) != runner.length:
                 return "it does not keep its past in the cache it is given (past_key_values stays empty)"
             null = _full_logits(model, sequence[-fed:], count)
             if _differs(logits, _full_logits(model, sequence, count), _tolerance(model), null):
@@ -118,7 +119,9 @@ def _check_cache(model: torch.nn.Module) -> str | None:
 
 
 def check_cache(model: torch.nn.Module, role: str) -> None:
-    """Raise a clear error if ``model`` (``role`` names it in the message) fails `cache_problem`."""
+    """Raise a clear error if ``model`` (``role`` names it in the message) cannot roll its cache back
+    (`hf_polybasic.cache.check_rollback_support`) or fails `cache_problem`."""
+    check_rollback_support(model, compat.new_dynamic_cache(model), role)
     problem = cache_problem(model)
     if problem is not None:
         raise ValueError(

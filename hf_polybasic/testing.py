@@ -1,7 +1,9 @@
 """Tiny random models and a tokenizer built in code (no downloads), for tests, docs and examples.
 
 `make_chain` gives a target and noisy copies of it standing in for cheaper models of the same
-family, so drafts are often, but not always, accepted. `make_tokenizer` is a character-level
+family, so drafts are often, but not always, accepted. `make_target` also builds tiny hybrid and
+state-space models (`HYBRID_ARCHITECTURES`: Qwen3-Next, Qwen3.5, Bamba, Jamba, LFM2, Mamba, ...),
+their recurrent layers amplified so that a state left advanced changes their output. `make_tokenizer` is a character-level
 tokenizer over the same tiny vocabulary, so pipelines, streamers and stop strings work.
 """
 
@@ -13,6 +15,70 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
+
+# Tiny hybrid models (transformers >= 5.15): each family's recurrent layers mixed with attention
+# layers, smallest settings that build; ``layers`` is the depth (layer kinds alternate).
+HYBRID_ARCHITECTURES = {
+    # Gated DeltaNet + attention (MoE MLPs)
+    "qwen3_next": lambda layers: dict(
+        layer_types=["linear_attention", "full_attention"] * (layers // 2), linear_num_value_heads=4,
+        linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=8, head_dim=8, num_experts=4,
+        num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=16),
+    # Gated DeltaNet + attention, dense
+    "qwen3_5_text": lambda layers: dict(
+        layer_types=["linear_attention", "full_attention"] * (layers // 2), linear_num_value_heads=4,
+        linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=8, head_dim=8),
+    # Gated DeltaNet + attention, MoE (Qwen3.5 MoE)
+    "qwen3_5_moe_text": lambda layers: dict(
+        layer_types=["linear_attention", "full_attention"] * (layers // 2), linear_num_value_heads=4,
+        linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=8, head_dim=8, num_experts=4,
+        num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=16),
+    # Gated DeltaNet + attention (OLMo hybrid)
+    "olmo_hybrid": lambda layers: dict(
+        layer_types=["linear_attention", "full_attention"] * (layers // 2), linear_num_value_heads=4,
+        linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=8),
+    # Mamba-2 + attention
+    "bamba": lambda layers: dict(
+        attn_layer_indices=list(range(1, layers, 2)), mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8,
+        mamba_n_groups=1, mamba_expand=2, mamba_chunk_size=8),
+    # Mamba-2 and attention side by side in every layer
+    "falcon_h1": lambda layers: dict(
+        mamba_n_heads=4, mamba_d_head=16, mamba_d_ssm=64, mamba_d_state=8, mamba_n_groups=1, mamba_expand=2,
+        mamba_chunk_size=8, head_dim=8),
+    # Mamba-2 + attention + MLP-only layers
+    "nemotron_h": lambda layers: dict(
+        layers_block_type=(["mamba", "attention", "mamba", "mlp"] * layers)[:layers], mamba_num_heads=4,
+        mamba_head_dim=16, ssm_state_size=8, n_groups=1, expand=2, chunk_size=8, head_dim=8),
+    # Mamba-2 + attention (Granite 4.0-H), MoE
+    "granitemoehybrid": lambda layers: dict(
+        layer_types=["mamba", "attention"] * (layers // 2), mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8,
+        mamba_n_groups=1, mamba_expand=2, mamba_chunk_size=8, num_local_experts=4, num_experts_per_tok=2),
+    # Mamba-2 layers, and a shared attention block beside Mamba-2 in every other layer (Zamba 2)
+    "zamba2": lambda layers: dict(
+        layers_block_type=["mamba", "hybrid"] * (layers // 2), num_key_value_heads=4, n_mamba_heads=4,
+        mamba_d_state=8, mamba_ngroups=1, mamba_expand=2, chunk_size=8, attention_head_dim=8, num_mem_blocks=1),
+    # Mamba (1) + attention, MoE
+    "jamba": lambda layers: dict(
+        attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1, num_experts=2,
+        mamba_d_state=8, mamba_d_conv=4, mamba_expand=2, mamba_dt_rank=4),
+    # short convolutions + attention
+    "lfm2": lambda layers: dict(
+        layer_types=["conv", "full_attention"] * (layers // 2), conv_L_cache=3, block_ff_dim=64,
+        block_auto_adjust_ff_dim=False),
+    # short convolutions + attention, MoE
+    "lfm2_moe": lambda layers: dict(
+        layer_types=["conv", "full_attention"] * (layers // 2), num_dense_layers=1, moe_intermediate_size=16,
+        num_experts=4, num_experts_per_tok=2, conv_L_cache=3),
+    # Kimi Delta Attention + (multi-head latent) attention, MoE
+    "kimi_linear": lambda layers: dict(
+        layer_types=["linear_attention", "full_attention"] * (layers // 2), num_key_value_heads=4, linear_head_dim=8,
+        linear_num_heads=4, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, kv_lora_rank=16, q_lora_rank=16,
+        num_experts=4, num_experts_per_token=2, moe_intermediate_size=16),
+    # pure state-space models: no attention layer at all
+    "mamba": lambda layers: dict(state_size=8, expand=2, conv_kernel=4),
+    "mamba2": lambda layers: dict(num_heads=4, head_dim=16, state_size=8, expand=2, n_groups=1, chunk_size=8),
+    "falcon_mamba": lambda layers: dict(state_size=8, expand=2, conv_kernel=4),
+}
 
 VOCAB = 96
 EOS = 2
@@ -176,8 +242,18 @@ def _config(arch: str, vocab: int = VOCAB, layers: int = 2, sliding_window: int 
     ``sliding_window`` tokens where it has one; ``tied`` None is the architecture's default."""
     import transformers
 
+    if arch in HYBRID_ARCHITECTURES:
+        common = dict(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, bos_token_id=BOS,
+                      eos_token_id=EOS, pad_token_id=PAD, tie_word_embeddings=bool(tied))
+        common.update(extra)  # e.g. hidden_size=128 for 4-bit layers, which quantize groups of 128 features
+        config = transformers.AutoConfig.for_model(arch, **{**common, **HYBRID_ARCHITECTURES[arch](layers)})
+        return transformers.AutoModelForCausalLM.from_config, config
     if arch not in TINY_ARCHITECTURES:
-        raise ValueError(f"unknown tiny architecture {arch!r}; choose one of {sorted(TINY_ARCHITECTURES)}")
+        raise ValueError(
+            f"unknown tiny architecture {arch!r}; choose one of {sorted(TINY_ARCHITECTURES)} or of "
+            f"{sorted(HYBRID_ARCHITECTURES)}"
+        )
     entry = TINY_ARCHITECTURES[arch]
     if not entry.available:
         raise ValueError(f"tiny architecture {arch!r} needs transformers.{entry.model_class}, which this release lacks")
@@ -221,10 +297,28 @@ def make_target(
                 if parameter.dim() >= 2 and parameter is not head and parameter is not embeddings:
                     parameter.mul_(weight_scale)
         head.mul_(logit_scale)
+        if arch in HYBRID_ARCHITECTURES:
+            _amplify_recurrent_layers(model)
     model.generation_config.pad_token_id = PAD
     model.generation_config.eos_token_id = EOS
     model.generation_config.bos_token_id = BOS
     return model
+
+
+def _amplify_recurrent_layers(model, inputs: float = 3.0, outputs: float = 8.0) -> None:
+    """Scale up the input and output projections of each recurrent layer: at random initialisation
+    what it adds to the residual stream is too small for a stale recurrent state to change a tiny
+    model's greedy output, which would leave tests of the state's rollback without power."""
+    from .recurrent import recurrent_layers
+
+    kinds = {layer.module for layer in recurrent_layers(model)}
+    for module in model.modules():
+        if type(module).__name__ in kinds:
+            for name, child in module.named_children():
+                if isinstance(child, torch.nn.Linear) and name in ("in_proj", "in_proj_qkvz", "q_proj", "k_proj", "v_proj"):
+                    child.weight.mul_(inputs)
+                elif isinstance(child, torch.nn.Linear) and name in ("out_proj", "o_proj"):
+                    child.weight.mul_(outputs)
 
 
 def noisy_copy(model, noise: float, seed: int, vocab: int | None = None):

@@ -58,6 +58,10 @@ class SharedModels:
         key = ("target", arch, seed, tuple(sorted(extra.items())))
         return (self._built.get(key) or self._remember(key, (make_target(arch, seed=seed, **extra),)))[0]
 
+    def built(self, key: tuple, make) -> tuple:
+        """The models ``make()`` builds, built once under ``key``."""
+        return self._built.get(key) or self._remember(key, tuple(make()))
+
     def register(self, key: tuple, models: tuple) -> tuple:
         """Share models built elsewhere (e.g. with special settings) under ``key``."""
         return self._built.get(key) or self._remember(key, tuple(models))

@@ -21,9 +21,10 @@ SETTINGS = {
 }
 
 
-def build_models() -> tuple:
-    """An 8-token target and three noisy copies of it (noise 0.3, 0.6, 0.9); no EOS."""
-    target = make_target("llama", seed=3, vocab=VOCAB, logit_scale=1.5)
+def build_models(arch: str = "llama", layers: int = 2) -> tuple:
+    """An 8-token target and three noisy copies of it (noise 0.3, 0.6, 0.9); no EOS. ``arch``: any of
+    `hf_polybasic.testing.make_target`'s, e.g. a hybrid model (test_hybrid.py)."""
+    target = make_target(arch, seed=3, vocab=VOCAB, logit_scale=1.5, layers=layers)
     target.generation_config.eos_token_id = None  # every sample has exactly STEPS tokens
     copies = [noisy_copy(target, noise, seed) for seed, noise in enumerate((0.3, 0.6, 0.9), 1)]
     for model in copies:
@@ -58,8 +59,8 @@ def exact_joint(target, setting: str, ids=None) -> np.ndarray:
     return joint.reshape(-1)
 
 
-def sample_counts(target, setting: str, assistants, seed: int, generate=hp.generate, **config):
-    """Histogram over the 512 outcomes of SAMPLES continuations of ``target`` sampled through the
+def sample_counts(target, setting: str, assistants, seed: int, generate=hp.generate, samples: int = SAMPLES, **config):
+    """Histogram over the 512 outcomes of ``samples`` continuations of ``target`` sampled through the
     chain (``generate``: the `custom_generate` callable, e.g. one built from deliberately wrong parts,
     or one on a simulated machine), and the call's `PolybasicStats` (to prove every level took part)."""
     ids = prompt(3, seed=5, vocab=VOCAB)
@@ -68,14 +69,14 @@ def sample_counts(target, setting: str, assistants, seed: int, generate=hp.gener
         ids,
         do_sample=True,
         max_new_tokens=STEPS,
-        num_return_sequences=SAMPLES,
+        num_return_sequences=samples,
         custom_generate=generate,
         assistant_models=list(assistants),
         polybasic_config=hp.PolybasicConfig(**config),
         return_dict_in_generate=True,
         **SETTINGS[setting],
     )
-    return outcome_counts(out.sequences[:, ids.shape[1] :]), out.polybasic_stats
+    return outcome_counts(out.sequences[:, ids.shape[1] :], samples), out.polybasic_stats
 
 
 def assert_every_level_took_part(stats, rejections: bool = True, acceptances: bool = True) -> str:
@@ -101,9 +102,9 @@ def assert_every_level_took_part(stats, rejections: bool = True, acceptances: bo
     return "; ".join(lines)
 
 
-def outcome_counts(new_tokens: torch.Tensor) -> np.ndarray:
+def outcome_counts(new_tokens: torch.Tensor, samples: int = SAMPLES) -> np.ndarray:
     new = new_tokens.numpy()
-    assert new.shape == (SAMPLES, STEPS)
+    assert new.shape == (samples, STEPS)
     return np.bincount(np.ravel_multi_index(tuple(new.T), (VOCAB,) * STEPS), minlength=VOCAB**STEPS)
 
 

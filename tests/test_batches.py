@@ -375,3 +375,34 @@ def test_a_batchs_counts_per_level_are_the_sum_of_its_rows_decoded_alone(chain_s
                 f"{level.name}: {count}")
         assert sorted(level.acceptance_lengths) == sorted(n for s in alone for n in s.levels[index].acceptance_lengths)
     assert_every_level_took_part(batch, rejections=False)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5_text", "nemotron_h", "jamba", "lfm2"])
+def test_every_row_of_a_hybrid_batch_equals_plain_generate_and_the_row_alone(arch, shared_models):
+    """A chain of hybrid models (Gated DeltaNet, Mamba-2, Mamba, short convolution; issue 25) decodes a
+    left-padded batch row by row (`hf_polybasic.recurrent.batch_refusal_reason`), each row exact,
+    with an EOS inside a block of one row."""
+    from hf_polybasic import compat
+    from hf_polybasic.testing import make_target, noisy_copy
+
+    if not compat.HAS_RECURRENT_CACHE_LAYERS:
+        pytest.skip("transformers < 5.15 refuses hybrid models")
+
+    def chain():
+        target = make_target(arch, seed=7)
+        return target, noisy_copy(target, 0.05, 1), noisy_copy(target, 0.2, 2)
+
+    target, *assistants = shared_models.built(("batch-hybrid", arch), chain)
+    prompts = [prompt(3 + 4 * row, seed=300 + row)[0] for row in range(3)]
+    ids, mask = left_padded(prompts)
+    options = dict(do_sample=False, max_new_tokens=20, eos_token_id=EOS, pad_token_id=PAD)
+    plain = target.generate(ids, attention_mask=mask, **options)
+    options["eos_token_id"] = [int(plain[2, ids.shape[1] + 8]), EOS]  # a token row 2 emits mid-output
+    plain = target.generate(ids, attention_mask=mask, **options)
+    out = target.generate(ids, attention_mask=mask, custom_generate=hp.generate, assistant_models=assistants,
+                          polybasic_config=CONFIG, return_dict_in_generate=True, **options)
+    assert torch.equal(out.sequences, plain)
+    for row, p in enumerate(prompts):
+        alone = target.generate(p[None], **options)[0, p.shape[0] :]
+        assert torch.equal(out.sequences[row, ids.shape[1] : ids.shape[1] + alone.shape[0]], alone)
+    assert_every_level_took_part(out.polybasic_stats, rejections=False, acceptances=False)

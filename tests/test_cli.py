@@ -35,3 +35,19 @@ def test_batches_command_on_tiny_models(capsys, tmp_path):
     assert all(row["rows_identical"] == f"{row['batch']}/{row['batch']}" for row in result["rows"])  # fp32: exact
     assert result["rows"][1]["rows_per_target_forward"] > 1  # the batch shared its forwards
     assert "| 3 |" in capsys.readouterr().out
+
+
+def test_rollback_cost_on_a_tiny_hybrid(capsys, tmp_path):
+    import json
+
+    import pytest
+
+    from hf_polybasic import compat
+
+    if not compat.HAS_RECURRENT_CACHE_LAYERS:
+        pytest.skip("transformers < 5.15: hybrid models are refused")
+    assert cli.main(["rollback-cost", "--tiny", "--ks", "2,4", "--repeats", "1", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "rollback_cost.json").read_text())["rows"]
+    assert [(row["k"], row["kept"], row["refed_tokens"]) for row in rows] == [(2, 0, 1), (2, 1, 2), (2, 2, 0), (4, 0, 1), (4, 2, 3), (4, 4, 0)]
+    assert all(row["copy_ms"] > 0 and row["verify_ms"] > 0 for row in rows)
+    assert "| k | kept | T(k+1) ms |" in capsys.readouterr().out

@@ -106,6 +106,156 @@ def test_restricting_sliding_layers_bounds_them_to_the_window_and_skips_empty_la
     assert cache.get_seq_length() == 12
 
 
+# --- recurrent state (hybrid models) -------------------------------------------------------------------
+needs_recurrent_layout = pytest.mark.skipif(
+    not compat.HAS_RECURRENT_CACHE_LAYERS, reason="transformers < 5.15: hybrid models are refused"
+)
+
+
+def _tiny_hybrid(arch, **options):
+    try:
+        return make_target(arch, **options)
+    except (ValueError, KeyError) as error:  # a family or layer type this release does not have
+        pytest.skip(f"{arch} cannot be built on transformers {compat.TRANSFORMERS_VERSION}: {error}")
+
+
+def _feed(model, cache, ids, start=0):
+    kwargs = {compat.cache_argument(model): cache}
+    if compat.takes_position_ids(model):
+        kwargs["position_ids"] = torch.arange(start, start + ids.shape[1])[None]
+    return model(input_ids=ids, use_cache=True, **kwargs).logits[0]
+
+
+def test_hybrids_are_refused_by_kind_where_transformers_has_no_shared_recurrent_layout(monkeypatch):
+    """Before 5.15 (checked on 4.57.6, 5.4.0 and 5.14.1) families kept their state in cache classes of
+    their own, or continued it differently."""
+    from hf_polybasic.cache import CachedModel
+
+    monkeypatch.setattr(compat, "HAS_RECURRENT_CACHE_LAYERS", False)
+    target = make_target("qwen3_next", seed=1)
+    with pytest.raises(ValueError, match=r"layer 0 is a Gated DeltaNet linear-attention layer \(Qwen3NextGatedDeltaNet\)"
+                                         r".*older than 5.15.*need transformers >= 5.15"):
+        CachedModel(target, compat.new_dynamic_cache(target), role="target")
+
+
+@needs_recurrent_layout
+def test_a_hybrid_cache_has_recurrent_layers_where_the_config_says():
+    model = make_target("qwen3_5_text", layers=4)
+    cache = compat.new_dynamic_cache(model)
+    linear = [i for i, kind in enumerate(compat.config_layer_types(model)) if kind == "linear_attention"]
+    assert compat.recurrent_layer_indices(cache) == linear == [0, 2]
+    assert compat.is_recurrent_cache_layer(cache.layers[0]) and not compat.is_recurrent_cache_layer(cache.layers[1])
+    assert compat.tracks_length(cache) and compat.cached_tokens(cache) == 0 and not compat.holds_recurrent_state(cache)
+    _feed(model, cache, prompt(5))
+    assert compat.holds_recurrent_state(cache) and compat.cached_tokens(cache) == 5
+
+
+@needs_recurrent_layout
+def test_a_layer_without_state_is_one_a_rollback_leaves_alone():
+    """Nemotron-H's MLP-only layer: a `DummyLayer` (transformers >= 5.19 or so) or an unused recurrent
+    layer (5.15 - 5.18), both fine to leave alone."""
+    model = make_target("nemotron_h", layers=4)  # mamba, attention, mamba, MLP only
+    cache = compat.new_dynamic_cache(model)
+    assert type(cache.layers[3]) in compat.ROLLBACK_LAYER_TYPES or compat.is_recurrent_cache_layer(cache.layers[3])
+    from hf_polybasic.recurrent import recurrent_layers
+
+    assert [layer.index for layer in recurrent_layers(model)] == [0, 2]
+
+
+@needs_recurrent_layout
+def test_a_cache_of_recurrent_layers_only_cannot_count_its_tokens():
+    model = make_target("mamba2")
+    assert compat.cache_argument(model) == "cache_params" and not compat.takes_position_ids(model)
+    llama = make_target("llama")
+    assert compat.cache_argument(llama) == "past_key_values" and compat.takes_position_ids(llama)
+    cache = compat.new_dynamic_cache(model)
+    assert not compat.tracks_length(cache) and compat.cached_tokens(cache) == 0
+    _feed(model, cache, prompt(4))
+    with pytest.raises(ValueError, match="without attention layers and already holds a state"):
+        compat.cached_tokens(cache)
+
+
+@needs_recurrent_layout
+@pytest.mark.parametrize("arch", ["qwen3_5_text", "falcon_h1", "lfm2"])
+def test_a_state_read_and_written_back_puts_the_layer_back(arch):
+    """`write_recurrent_state` of what `read_recurrent_state` gave (copied), with the attention cut by
+    `remove_last_tokens`, which leaves the recurrent state alone: the next token sees what it saw."""
+    model = make_target(arch, seed=2)
+    ids = prompt(9, seed=4)
+    cache = compat.new_dynamic_cache(model)
+    compat.record_past_states(cache)
+    _feed(model, cache, ids[:, :6])
+    layers = [cache.layers[index] for index in compat.recurrent_layer_indices(cache)]
+
+    def tensors():
+        return [t.clone() for layer in layers for _, conv, rec in compat.read_recurrent_state(layer) for t in (conv, rec)
+                if t is not None]
+
+    kept = [[(seen, conv.clone(), None if rec is None else rec.clone()) for seen, conv, rec in
+             compat.read_recurrent_state(layer)] for layer in layers]
+    assert all(states[0][0] and states[0][1].shape[-1] <= layer.conv_kernel_size[0] for states, layer in zip(kept, layers))
+    expected = _feed(model, cache, ids[:, 6:7], start=6)
+    _feed(model, cache, ids[:, 7:9], start=7)
+    advanced = tensors()
+    compat.remove_last_tokens(cache, 3)
+    assert all(torch.equal(a, b) for a, b in zip(advanced, tensors()))  # left alone
+    assert cache.get_seq_length() == 6
+    for layer, states in zip(layers, kept):
+        compat.write_recurrent_state(layer, states)
+    torch.testing.assert_close(_feed(model, cache, ids[:, 6:7], start=6), expected)
+
+
+@needs_recurrent_layout
+def test_a_state_that_saw_no_token_starts_the_layer_afresh():
+    model = make_target("qwen3_5_text", seed=2)
+    ids = prompt(5, seed=4)
+    cache = compat.new_dynamic_cache(model)
+    fresh = compat.read_recurrent_state(cache.layers[0])
+    assert fresh == [(False, None, None)]
+    _feed(model, cache, ids[:, :3])
+    compat.write_recurrent_state(cache.layers[0], fresh)
+    compat.remove_last_tokens(cache, 3)
+    assert not compat.holds_recurrent_state(cache)
+    torch.testing.assert_close(_feed(model, cache, ids), _feed(model, compat.new_dynamic_cache(model), ids))
+
+
+@needs_recurrent_layout
+def test_convolution_states_are_cut_to_the_kernel_when_handed_back():
+    model = make_target("qwen3_5_text", seed=2)
+    ids = prompt(12, seed=4)
+    cache = compat.new_dynamic_cache(model)
+    compat.record_past_states(cache)
+    _feed(model, cache, ids[:, :8])
+    _feed(model, cache, ids[:, 8:11], start=8)
+    layer = cache.layers[0]
+    width = layer.conv_kernel_size[0]
+    if compat.HAS_PAST_RECORDING:
+        assert layer.conv_states[0].shape[-1] > width  # recording keeps the past
+    compat.stop_recording_past_states(cache)
+    assert layer.conv_states[0].shape[-1] == width and not layer.record_past
+    plain = compat.new_dynamic_cache(model)
+    _feed(model, plain, ids[:, :11])
+    torch.testing.assert_close(_feed(model, cache, ids[:, 11:], start=11), _feed(model, plain, ids[:, 11:], start=11))
+
+
+@needs_recurrent_layout
+@pytest.mark.parametrize("arch", ["qwen3_5_text", "nemotron_h", "kimi_linear", "lfm2", "jamba", "mamba"])
+def test_which_kinds_continue_a_state_over_several_tokens(arch):
+    """What `continues_state_over_several_tokens` says of the installed release: a forward of several
+    tokens after a cached state gives the full forward's logits, or not (Jamba, Mamba: fails first
+    when a release fixes their scan, so the one-token feeding can be dropped there)."""
+    from hf_polybasic.recurrent import recurrent_layers
+
+    model = _tiny_hybrid(arch, seed=2)
+    ids = prompt(16, seed=3)
+    cache = compat.new_dynamic_cache(model)
+    compat.record_past_states(cache)
+    _feed(model, cache, ids[:, :8])
+    continued = _feed(model, cache, ids[:, 8:], start=8)
+    matches = torch.allclose(continued, model(input_ids=ids).logits[0, 8:], rtol=1e-4, atol=1e-4)
+    assert matches == compat.continues_state_over_several_tokens(recurrent_layers(model)[0].kind.key)
+
+
 # --- models ------------------------------------------------------------------------------------------
 def test_logits_to_keep_and_statefulness():
     model = make_target("llama", seed=1)

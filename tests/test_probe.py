@@ -82,10 +82,10 @@ def test_a_model_that_does_not_decode_on_its_cache_is_refused_clearly(build, cau
     model = build()
     assert cause in probe.cache_problem(model)
     draft = noisy_copy(model, 0.1, seed=1)
-    with pytest.raises(ValueError, match=rf"target {type(model).__name__} cannot be part of a speculative chain: .*{cause}"):
+    with pytest.raises(ValueError, match=rf"target M1 {type(model).__name__} cannot be part of a speculative chain: .*{cause}"):
         _chain_call(model, [draft], prompt(6, seed=3))
     llama, llama_draft = make_chain("llama", 2, seed=4)
-    with pytest.raises(ValueError, match=rf"assistant_models\[0\] {type(model).__name__} cannot be part"):
+    with pytest.raises(ValueError, match=rf"assistant_models\[0\] \(M2 {type(model).__name__}\) cannot be part"):
         _chain_call(llama, [model], prompt(6, seed=3))
 
 

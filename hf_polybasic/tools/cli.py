@@ -61,6 +61,14 @@ def _batches(args: argparse.Namespace) -> int:
     return 0
 
 
+def _rollback_cost(args: argparse.Namespace) -> int:
+    from .rollback_cost import run_rollback_cost
+
+    ks = [int(k) for k in args.ks.split(",")]
+    print(run_rollback_cost(args.tiny, args.layers, ks, args.repeats, args.out, args.threads))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hf-polybasic", description="Polybasic speculative decoding for transformers")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -114,6 +122,18 @@ def build_parser() -> argparse.ArgumentParser:
     batches.add_argument("--output", default=None, help="directory for batches.json and batches.md")
     batches.add_argument("--no-progress", action="store_true", help="no progress bar")
     batches.set_defaults(handler=_batches)
+
+    rollback = commands.add_parser(
+        "rollback-cost", help="what rolling back a hybrid model's recurrent state costs per round (Qwen3-Next layer "
+        "shapes, random weights), against its verification forward"
+    )
+    rollback.add_argument("--tiny", action="store_true", help="a tiny random model instead (seconds; a smoke test)")
+    rollback.add_argument("--layers", type=int, default=4, help="depth (every 4th layer attention, as in Qwen3-Next)")
+    rollback.add_argument("--ks", default="2,4,8,16", help="comma-separated draft counts k")
+    rollback.add_argument("--repeats", type=int, default=5, help="interleaved repeats; medians are reported")
+    rollback.add_argument("--out", default=None, help="directory for rollback_cost.json and rollback_cost.md")
+    rollback.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    rollback.set_defaults(handler=_rollback_cost)
 
     add_bench_parser(commands)
     add_gpu_bench_parser(commands)
