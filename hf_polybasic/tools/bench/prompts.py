@@ -15,7 +15,10 @@ group, original text, not taken from any data set. It is for smoke runs and the 
 
 The held-out set (`heldout_questions`, ``--question-set heldout``) was written when the cost-aware
 schedule was redesigned and never used to tune it: five code and five prose prompts, original text.
-Speed claims against transformers' assisted generation are measured on it.
+Speed claims against transformers' assisted generation are measured on it. The second held-out
+set (`unseen_questions`, ``--question-set unseen``: five code, five math word problems and five
+prose prompts) was written before the changes of issue 26 and never used to tune them; that issue's
+claims are measured on it.
 """
 
 from __future__ import annotations
@@ -299,7 +302,56 @@ _HELDOUT_PROSE = [
     "Explain in simple terms how a bicycle stays upright while it is moving.",
 ]
 
-QUESTION_SETS = ("default", "heldout")
+# The second held-out set (`unseen_questions`, ``--question-set unseen``), written on 2026-11-24
+# before the schedule, the default chain and the drafter's output layer were changed for issue 26,
+# and never used to tune them (tuning used the default and the first held-out set): five prompts in
+# each of three groups, original text.
+_UNSEEN_CODE = [
+    "Write a Python function `merge_intervals(intervals)` that takes a list of (start, end) pairs and "
+    "returns the list of merged, non-overlapping intervals sorted by start. Include a docstring.",
+    "Write a small command-line tool in Python with argparse that counts the lines, words and characters "
+    "of the files given on the command line, like the Unix `wc` command.",
+    "Here is a Python function with a bug:\n\n"
+    "```python\n"
+    "def average(values):\n"
+    "    total = 0\n"
+    "    for v in values:\n"
+    "        total += v\n"
+    "    return total / len(values) if values else 0\n"
+    "\n"
+    "def moving_average(values, window):\n"
+    "    return [average(values[i:i + window]) for i in range(len(values))]\n"
+    "```\n\n"
+    "Explain what is wrong with `moving_average` and write a corrected version.",
+    "Write a TypeScript function `debounce(fn, delayMs)` that returns a debounced version of `fn`, with "
+    "correct generic types, and a short usage example.",
+    "Write a Python dataclass `Money` with an amount in cents and a currency code, supporting addition of "
+    "two amounts in the same currency and raising a ValueError otherwise, plus a `__str__` that prints "
+    "amounts like `12.50 EUR`.",
+]
+
+_UNSEEN_MATH = [
+    "A bakery sells muffins for $3 each and cookies for $1.25 each. On Saturday it sold 48 muffins and "
+    "twice as many cookies. How much money did it take in from muffins and cookies? Show your work.",
+    "A train leaves a station at 9:40 and travels 168 km at an average speed of 72 km/h. At what time "
+    "does it arrive? Explain each step.",
+    "Maria has 3 times as many stamps as Tom. If Maria gives Tom 18 stamps, they will have the same "
+    "number. How many stamps did each of them have at first? Solve it step by step.",
+    "A rectangular garden is 14 m long and 9 m wide. A path 1 m wide runs all the way around the outside "
+    "of the garden. What is the area of the path? Show the calculation.",
+    "A shop reduces the price of a jacket by 20%, and a week later reduces the new price by another 15%. "
+    "The jacket now costs $61.20. What was the original price? Work it out step by step.",
+]
+
+_UNSEEN_PROSE = [
+    "Write a short thank-you note to a colleague who covered your shifts while you were ill.",
+    "Explain to a ten-year-old why the sky is blue, in one short paragraph.",
+    "Describe the smell and sounds of a busy market on a winter evening, in four or five sentences.",
+    "What are three good habits for keeping a tidy desk at work? Give a sentence of advice for each.",
+    "Write a brief product description for a reusable water bottle that keeps drinks cold for a day.",
+]
+
+QUESTION_SETS = ("default", "heldout", "unseen")
 
 
 def heldout_questions() -> list[Question]:
@@ -309,12 +361,25 @@ def heldout_questions() -> list[Question]:
     ]
 
 
+def unseen_questions() -> list[Question]:
+    """The second held-out set: five code, five math word problems and five prose prompts, written
+    before the changes of issue 26 and never used to tune them."""
+    groups = (("code", _UNSEEN_CODE), ("math reasoning", _UNSEEN_MATH), ("prose", _UNSEEN_PROSE))
+    return [
+        Question(f"unseen-{group.split()[0]}-{i}", group, group, (text,))
+        for group, texts in groups
+        for i, text in enumerate(texts, 1)
+    ]
+
+
 def questions_of(name: str) -> list[Question]:
     """A shipped set by name (`QUESTION_SETS`)."""
     if name == "default":
         return default_questions()
     if name == "heldout":
         return heldout_questions()
+    if name == "unseen":
+        return unseen_questions()
     raise ValueError(f"unknown question set {name!r}; choose one of {QUESTION_SETS}")
 
 
