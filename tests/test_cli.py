@@ -34,6 +34,7 @@ def test_batches_command_on_tiny_models(capsys, tmp_path):
     assert [row["batch"] for row in result["rows"]] == [1, 3]
     assert all(row["rows_identical"] == f"{row['batch']}/{row['batch']}" for row in result["rows"])  # fp32: exact
     assert result["rows"][1]["rows_per_target_forward"] > 1  # the batch shared its forwards
+    assert all(row["first_call_speedup"] > 0 for row in result["rows"]) and result["question_set"] == "heldout"
     assert "| 3 |" in capsys.readouterr().out
 
 

@@ -54,7 +54,7 @@ def _batches(args: argparse.Namespace) -> int:
 
     sizes = [int(size) for size in args.batch_sizes.split(",")]
     result = run_batches(args.models, args.target_dtype, args.pack_target, sizes, args.max_new_tokens, args.repeats,
-                         args.output, progress=not args.no_progress)
+                         args.output, progress=not args.no_progress, question_set=args.question_set)
     from .batch_bench import markdown
 
     print(markdown(result))
@@ -120,6 +120,8 @@ def build_parser() -> argparse.ArgumentParser:
     batches.add_argument("--max-new-tokens", type=int, default=64)
     batches.add_argument("--repeats", type=int, default=3, help="interleaved repeats; medians are reported")
     batches.add_argument("--output", default=None, help="directory for batches.json and batches.md")
+    batches.add_argument("--question-set", choices=["heldout", "unseen"], default="heldout",
+                         help="whose code prompts make the rows (unseen: the second held-out set's first)")
     batches.add_argument("--no-progress", action="store_true", help="no progress bar")
     batches.set_defaults(handler=_batches)
 
