@@ -37,6 +37,7 @@ from .schedule import BatchGate, Schedule, make_schedule
 from .stats import LevelStats, PolybasicStats
 from .timing import DEFAULT_CLOCK, Clock, timed
 from .verify import greedy_verify, speculative_verify
+from .vocab_head import NOTHING_TO_SAMPLE
 
 
 @dataclass
@@ -96,7 +97,12 @@ class Verifier:
         scores = process_positions(self.rules[row].processors, candidates, start, logits)  # [k + 1, V]
         if self.samples:
             draft_probs = None if proposal.probs is None else proposal.probs.to(scores.device)
-            accepted, next_token = speculative_verify(proposal.tokens, draft_probs, scores.softmax(-1))
+            try:
+                accepted, next_token = speculative_verify(proposal.tokens, draft_probs, scores.softmax(-1))
+            except RuntimeError as error:  # vocab_head: a restricted level may be left nothing to sample from
+                if not bool(torch.isfinite(scores).any(-1).all()):
+                    raise ValueError(NOTHING_TO_SAMPLE.format(level=self.runner.role)) from error
+                raise
         else:
             accepted, next_token = greedy_verify(proposal.tokens, scores)
         self.stats.record_verification(len(proposal), accepted)

@@ -102,6 +102,10 @@ class ModelDrafter(ScheduledRows):
         stops_per_token = schedule.stops_per_token
         logits = logits.to(grown.device)  # [1, V]
         scores = process_positions(self.rules[row].processors, grown, grown.shape[0], logits)
+        # restricted output layer (hf_polybasic.vocab_head): processors may leave no id it scores
+        # finite; nothing to draw from, so the row proposes nothing more (the level above decodes it)
+        if not bool(torch.isfinite(scores).any()):
+            return False
         probs = scores.softmax(-1) if self.samples or stops_per_token else None
         token = torch.multinomial(probs, 1)[0] if self.samples else scores.argmax(-1)  # [1]
         block.extend(token, self.proposal_probs(probs, logits) if self.samples else None)
