@@ -51,10 +51,10 @@ def _costs(args: argparse.Namespace) -> int:
 
 
 def _vocab_coverage(args: argparse.Namespace) -> int:
-    from .vocab_coverage import run_vocab_coverage
+    from .vocab_coverage import DEFAULT_RESULTS, run_vocab_coverage
 
     sizes = [int(size) for size in args.sizes.split(",")]
-    print(run_vocab_coverage(tuple(args.question_set or ("default", "heldout")), sizes, args.new_tokens, args.out))
+    print(run_vocab_coverage(tuple(args.results or DEFAULT_RESULTS), sizes, args.out))
     return 0
 
 
@@ -125,11 +125,11 @@ def build_parser() -> argparse.ArgumentParser:
     costs.set_defaults(handler=_costs)
 
     coverage = commands.add_parser("vocab-coverage", help="share of prompt and generated tokens a restricted drafter "
-                                   "vocabulary (restricted_vocabulary: first N ids + fed tokens) holds, on the real target")
+                                   "vocabulary (restricted_vocabulary: first N ids + fed tokens) holds, on the target's "
+                                   "outputs the benchmark recorded")
     coverage.add_argument("--sizes", default="8192,16384,32768,49152,65536", help="comma-separated N (ids kept)")
-    coverage.add_argument("--question-set", action="append", choices=["default", "heldout"], default=None,
-                          help="benchmark question set (repeatable; default: both)")
-    coverage.add_argument("--new-tokens", type=int, default=96, help="greedy continuation length per question")
+    coverage.add_argument("--results", action="append", default=None, metavar="RESULTS_JSONL",
+                          help="a benchmark results.jsonl (repeatable; default: the committed greedy and sampled runs)")
     coverage.add_argument("--out", default=None, help="directory for vocab_coverage.md and .json")
     coverage.set_defaults(handler=_vocab_coverage)
 

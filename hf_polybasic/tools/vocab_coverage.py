@@ -1,9 +1,10 @@
 """``hf-polybasic vocab-coverage``: how much of real text a restricted drafter vocabulary covers.
 
 `hf_polybasic.levels.restricted_vocabulary` keeps the first N token ids (BPE merge order, which
-follows frequency), the special tokens, and every token the drafter has been fed. This measures, on
-the benchmark's prompts and on the target's own greedy continuations of them, the share of tokens
-that such an S holds:
+follows frequency), the special tokens, and every token the drafter has been fed. This measures,
+on the target's own outputs recorded by the benchmark (plain ``generate``'s ``output_ids`` in a
+``results.jsonl``, first turns of the shipped question sets) and on their prompts (chat-templated
+again with the Qwen tokenizer; no model runs), the share of tokens such an S holds:
 
 * *prompt, id < N*: prompt tokens among the first N ids;
 * *output, id < N*: generated tokens among the first N ids (a static S);
@@ -21,14 +22,13 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-import torch
-from tqdm.auto import tqdm
-
-from .. import cpu, hardware
 from .bench.prompts import questions_of
 from .model_sets import QWEN_TARGET
 
 DEFAULT_SIZES = (8192, 16384, 32768, 49152, 65536)
+# the benchmark's committed runs: greedy on both shipped sets, and sampled (T 0.7, top-p 0.9)
+DEFAULT_RESULTS = ("docs/results/heldout-avx512/results.jsonl", "docs/results/bench/results.jsonl",
+                   "docs/results/bench-sample/results.jsonl")
 
 
 def coverage(prompts: Sequence[list[int]], outputs: Sequence[list[int]], sizes: Sequence[int], special: set[int]) -> dict:
@@ -61,43 +61,58 @@ def markdown(groups: dict[str, dict], sizes: Sequence[int]) -> str:
     return "\n".join(lines)
 
 
-@torch.no_grad()
-def run_vocab_coverage(question_sets: Sequence[str] = ("default", "heldout"), sizes: Sequence[int] = DEFAULT_SIZES,
-                       new_tokens: int = 96, out: str | None = None) -> str:
-    """Generate the target's greedy continuation of every question's first turn (bf16), measure the
-    coverage per question group and overall (the target packed where
-    this machine packs bf16), print and (with ``out``) write vocab_coverage.md/.json."""
+def _recorded_texts(path: Path, tokenizer) -> dict[str, tuple[list, list]]:
+    """"<greedy|sampled> <group>" -> (prompts, outputs): plain generate's first turns in ``path``."""
+    questions = {q.question_id: q for name in ("default", "heldout") for q in questions_of(name)}
+    run = json.loads((path.parent / "run.json").read_text())
+    mode = "sampled" if run.get("decoding", {}).get("do_sample") else "greedy"
+    texts: dict[str, tuple[list, list]] = {}
+    for line in path.read_text().splitlines():
+        record = json.loads(line)
+        if record["method"] != "plain" or record["repeat"] != 0 or record["turn"] != 0:
+            continue
+        question = questions.get(record["question_id"])
+        if question is None:  # a question of another file: its text is not known here
+            continue
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": question.turns[0]}],
+                                            add_generation_prompt=True, return_dict=True)["input_ids"]
+        prompts, outputs = texts.setdefault(f"{mode} {record['group']}", ([], []))
+        prompts.append(list(ids))
+        outputs.append(list(record["output_ids"]))
+    return texts
+
+
+def run_vocab_coverage(results: Sequence[str] = DEFAULT_RESULTS, sizes: Sequence[int] = DEFAULT_SIZES,
+                       out: str | None = None) -> str:
+    """Coverage per decoding mode and question group, and over all; printed and (with ``out``)
+    written as vocab_coverage.md/.json."""
     from . import loading
 
-    target, tokenizer = loading.load(QWEN_TARGET, torch.bfloat16)
-    if torch.bfloat16 in cpu.supported_dtypes():
-        target = loading.pack(target)  # the same greedy text, sooner
+    tokenizer = loading.load_tokenizer(QWEN_TARGET)
     special = set(tokenizer.all_special_ids) | set(tokenizer.added_tokens_decoder)
-    per_group: dict[str, tuple[list, list]] = {}
-    questions = [question for name in question_sets for question in questions_of(name)]
-    for question in tqdm(questions, desc="target greedy continuations"):
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": question.turns[0]}], add_generation_prompt=True,
-                                            return_tensors="pt", return_dict=True)["input_ids"]
-        output = target.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=new_tokens)
-        prompts, outputs = per_group.setdefault(question.group, ([], []))
-        prompts.append(ids[0].tolist())
-        outputs.append(output[0, ids.shape[1]:].tolist())
-    groups = {"all": ([p for ps, _ in per_group.values() for p in ps], [o for _, os in per_group.values() for o in os])}
-    groups.update(per_group)
-    result = {
-        group: {"coverage": coverage(prompts, outputs, sizes, special), "prompt_tokens": sum(map(len, prompts)),
-                "output_tokens": sum(map(len, outputs))}
-        for group, (prompts, outputs) in groups.items()
+    groups: dict[str, tuple[list, list]] = {}
+    for path in results:
+        for key, (prompts, outputs) in _recorded_texts(Path(path), tokenizer).items():
+            groups.setdefault(key, ([], []))[0].extend(prompts)
+            groups[key][1].extend(outputs)
+    for mode in ("greedy", "sampled"):
+        parts = [value for key, value in groups.items() if key.startswith(mode)]
+        if parts:
+            groups[f"{mode}: all"] = ([p for ps, _ in parts for p in ps], [o for _, os in parts for o in os])
+    ordered = dict(sorted(groups.items(), key=lambda item: (item[0].split()[0], ": all" not in item[0], item[0])))
+    measured = {
+        key: {"coverage": coverage(prompts, outputs, sizes, special), "prompt_tokens": sum(map(len, prompts)),
+              "output_tokens": sum(map(len, outputs)), "questions": len(prompts)}
+        for key, (prompts, outputs) in ordered.items()
     }
-    machine = hardware.describe_machine()
-    text = (f"Token coverage of a restricted drafter vocabulary (Qwen2.5 tokenizer, {len(tokenizer)} ids); "
-            f"{len(questions)} questions ({', '.join(question_sets)}), target {QWEN_TARGET} bf16 greedy, "
-            f"{new_tokens} new tokens:\n\n" + markdown(result, sizes) + "\n")
+    text = (f"Share of tokens a restricted drafter vocabulary holds (Qwen2.5 tokenizer, {len(tokenizer)} ids): the first "
+            f"N ids, the {len(special)} special tokens and every token fed before; prompts and plain generate's "
+            f"outputs (first turns) from {', '.join(results)}:\n\n" + markdown(measured, sizes) + "\n")
     if out is not None:
         directory = Path(out)
         directory.mkdir(parents=True, exist_ok=True)
         (directory / "vocab_coverage.md").write_text(text)
-        record = {"command": " ".join(["hf-polybasic", *sys.argv[1:]]), "machine": machine, "sizes": list(sizes),
-                  "question_sets": list(question_sets), "new_tokens": new_tokens, "groups": result}
+        record = {"command": " ".join(["hf-polybasic", *sys.argv[1:]]), "sizes": list(sizes),
+                  "results": list(results), "groups": measured}
         (directory / "vocab_coverage.json").write_text(json.dumps(record, indent=1) + "\n")
     return text
