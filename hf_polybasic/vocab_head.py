@@ -33,14 +33,18 @@ leave no id of S would stop the call; with such processors (``prefix_allowed_tok
 The restricted layer keeps the original's kind: a float ``nn.Linear`` multiplies a view of its
 weight (no copy when S's ranked part is a prefix of the ids), a dynamic int8 layer multiplies an
 int8 sub-matrix with the same per-row scales, a oneDNN-packed layer (`hf_polybasic.cpu`) a packed
-sub-matrix; on S its logits are the original's. Apply it last: packing or quantizing a view changes
-the modules it shares with the original.
+sub-matrix; on S its logits are the original's (up to the order of summation). Rows added later
+come from the weight itself (float), else from the tied input embedding when it reproduces the
+layer exactly (checked once), else from one unpacked copy of the layer's weight kept for them
+(untied int8 or packed layers). Apply the transform last, on the model's final device: packing or
+quantizing a view changes the modules it shares with the original.
 """
 
 from __future__ import annotations
 
 import warnings
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 import torch
 
@@ -252,9 +256,9 @@ class RestrictedLinear(torch.nn.Module):
 # --- the transform ---------------------------------------------------------------------------------
 def restricted_vocabulary(
     model: torch.nn.Module,
-    keep: int = 32768,
+    keep: int = 65536,
     ranking: Sequence[int] | torch.Tensor | None = None,
-    tokenizer=None,
+    tokenizer: Any = None,
     always: Iterable[int] = (),
     grow: bool = True,
 ) -> torch.nn.Module:

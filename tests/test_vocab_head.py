@@ -298,3 +298,21 @@ def test_sampled_tokens_of_a_restricted_chain_are_ones_the_target_can_sample(dis
     from distribution import assert_target_could_sample
 
     assert_target_could_sample(target, out, ids.shape[1], top_k=5)
+
+
+def test_the_coverage_tools_teacher_forced_agreement_is_the_restricted_drafters_own():
+    """`hf-polybasic vocab-coverage --drafter` computes a restricted drafter's greedy agreement from
+    one teacher-forced forward; it equals drafting with the `restricted_vocabulary` view itself."""
+    from hf_polybasic.tools.levels_table import greedy_agreement
+    from hf_polybasic.tools.vocab_coverage import drafter_agreement
+
+    target, mid, _ = make_chain("qwen2", 3, seed=3)
+    continuations = []
+    for seed in range(3):
+        ids = prompt(6, seed=seed)
+        continuations.append((ids, target.generate(ids, **dict(_greedy_options(), max_new_tokens=20))[0, 6:]))
+    fast = drafter_agreement(mid, [ids[0].tolist() for ids, _ in continuations],
+                             [out.tolist() for _, out in continuations], [20, 40], special={0, 1, 2}, k=5)
+    assert fast["all"] == pytest.approx(greedy_agreement(mid, continuations, 5, 1))
+    for keep in (20, 40):
+        assert fast[keep] == pytest.approx(greedy_agreement(restricted_vocabulary(mid, keep), continuations, 5, 1))

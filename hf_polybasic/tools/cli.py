@@ -45,6 +45,10 @@ def _levels(args: argparse.Namespace) -> int:
 def _costs(args: argparse.Namespace) -> int:
     from .costs_table import run_costs_table
 
+    if args.threads is not None:
+        import torch
+
+        torch.set_num_threads(args.threads)
     print(run_costs_table(args.models, args.repeats, args.out, progress=not args.no_progress,
                           restricted=tuple(args.restricted_head), only=tuple(args.only), interleaved=args.interleaved))
     return 0
@@ -54,7 +58,7 @@ def _vocab_coverage(args: argparse.Namespace) -> int:
     from .vocab_coverage import DEFAULT_RESULTS, run_vocab_coverage
 
     sizes = [int(size) for size in args.sizes.split(",")]
-    print(run_vocab_coverage(tuple(args.results or DEFAULT_RESULTS), sizes, args.out))
+    print(run_vocab_coverage(tuple(args.results or DEFAULT_RESULTS), sizes, args.out, tuple(args.drafter), args.k))
     return 0
 
 
@@ -119,6 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "(hf_polybasic.levels.restricted_vocabulary; repeatable)")
     costs.add_argument("--only", action="append", default=[],
                        help="measure only the variants whose label contains this (repeatable), e.g. --only 0.5B")
+    costs.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     costs.add_argument("--interleaved", action="store_true",
                        help="build every selected variant at once and measure them round by round (fair "
                        "comparisons on a shared machine; needs memory for all of them)")
@@ -130,6 +135,10 @@ def build_parser() -> argparse.ArgumentParser:
     coverage.add_argument("--sizes", default="8192,16384,32768,49152,65536", help="comma-separated N (ids kept)")
     coverage.add_argument("--results", action="append", default=None, metavar="RESULTS_JSONL",
                           help="a benchmark results.jsonl (repeatable; default: the committed greedy and sampled runs)")
+    coverage.add_argument("--drafter", action="append", choices=["int8", "bf16", "fp32"], default=[],
+                          help="also the greedy agreement of the 0.5B (int8 as in the benchmark, bf16, fp32) with the "
+                          "recorded greedy outputs, unrestricted and restricted to each N (repeatable)")
+    coverage.add_argument("--k", type=int, default=8, help="draft length for --drafter's agreement")
     coverage.add_argument("--out", default=None, help="directory for vocab_coverage.md and .json")
     coverage.set_defaults(handler=_vocab_coverage)
 

@@ -12,8 +12,9 @@ largest.
 ``restricted=(N, ...)`` adds, for every 0.5B variant, the same model with its output layer restricted
 to N ids (`hf_polybasic.levels.restricted_vocabulary`; a view sharing the weights). ``only`` keeps
 the variants whose label contains one of its strings; ``interleaved`` builds them all at once and
-measures them round by round (each round one curve of every variant, medians over rounds), so a
-shared machine's drift hits every variant alike: the way to compare a model with its restricted view.
+times them forward by forward (each round one forward of every size for every variant in turn,
+medians over rounds), so a shared machine's load hits every variant alike: the way to compare a
+model with its restricted view.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from tqdm.auto import tqdm
 
 from .. import compat, four_bit, hardware
 from ..costs import MEASURED_TOKENS, CostCurve, measure_curve
+from ..timing import timed
 from . import loading
 from .model_sets import QWEN_DRAFT, QWEN_TARGET
 
@@ -118,16 +120,36 @@ def measure_variants(
     return curves
 
 
+@torch.no_grad()
 def _measure_interleaved(variants, tokens, repeats: int, progress: bool) -> dict[str, CostCurve]:
+    """Every variant built at once and timed forward by forward: each round times one forward of
+    every size for every variant in turn (after two untimed rounds), so a shared machine's load
+    hits all of them alike; the medians over rounds."""
+    from ..cache import CachedModel
+    from ..compat import new_dynamic_cache
+    from ..costs import CALIBRATION_CONTEXT, machine_description, model_description
+
     models = {label: build() for label, build in variants.items()}
-    rounds: dict[str, list[CostCurve]] = {label: [] for label in models}
-    for _ in tqdm(range(repeats), desc="interleaved rounds", disable=not progress):
-        for label, model in models.items():
-            rounds[label].append(measure_curve(model, tokens=tokens, repeats=1))
+    runners, prefixes = {}, {}
+    for label, model in models.items():
+        vocab = model.config.get_text_config(decoder=True).vocab_size
+        prefixes[label] = (torch.arange(CALIBRATION_CONTEXT) * 7919 % max(vocab - 3, 1)) + 3  # as measure_curve's
+        runners[label] = CachedModel(model, new_dynamic_cache(model), role=label)
+        runners[label].logits(prefixes[label], 1)
+    seconds: dict[str, dict[int, list[float]]] = {label: {k: [] for k in tokens} for label in models}
+    for index in tqdm(range(repeats + 2), desc="interleaved rounds", disable=not progress):
+        for k in tokens:
+            for label, runner in runners.items():
+                prefix = prefixes[label]
+                runner.rollback_to(prefix.shape[0])
+                with timed() as span:
+                    runner.logits(torch.cat([prefix, prefix[-1:].repeat(k)]), k)
+                if index >= 2:
+                    seconds[label][k].append(span.seconds)
     return {
-        label: CostCurve({k: statistics.median(c.points[k] for c in curves) for k in curves[0].points},
-                         curves[0].context, curves[0].description)
-        for label, curves in rounds.items()
+        label: CostCurve({k: statistics.median(times) for k, times in seconds[label].items()}, CALIBRATION_CONTEXT,
+                         {"model": model_description(models[label]), "machine": machine_description(models[label])})
+        for label in models
     }
 
 

@@ -3,7 +3,7 @@
 ``"tiny"``: random models from `hf_polybasic.testing` (seconds; mechanics only). ``"qwen"``:
 Qwen2.5-Coder-1.5B-Instruct as the target, with an int8 copy of it ("mid"), the 0.5B in int8
 ("draft") or fp32 ("draft-fp32") in the pool, installed from PyPI by `hf_polybasic.tools.models`;
-"draft-h16k" / "draft-h32k" are the int8 0.5B with its output layer restricted to 16,384 / 32,768
+"draft-h32k" / "draft-h64k" are the int8 0.5B with its output layer restricted to 32,768 / 65,536
 ids (`hf_polybasic.levels.restricted_vocabulary`, a view sharing the "draft" model's weights).
 Only the pool entries a run needs are built. `LABELS` is the one table of their names.
 """
@@ -22,7 +22,7 @@ from ..levels import early_exit, quantized_copy
 QWEN_TARGET = "qwen2.5-coder-1.5b-instruct"
 QWEN_DRAFT = "qwen2.5-coder-0.5b-instruct"
 # pool entries that are the int8 drafter with a restricted output layer, and the ids each keeps
-RESTRICTED_DRAFTS = {"draft-h16k": 16384, "draft-h32k": 32768}
+RESTRICTED_DRAFTS = {"draft-h32k": 32768, "draft-h64k": 65536}
 TINY_RESTRICTED_KEEP = 48  # of the tiny models' 96 ids
 TARGET_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 

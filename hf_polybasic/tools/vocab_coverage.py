@@ -12,7 +12,13 @@ again with the Qwen tokenizer; no model runs), the share of tokens such an S hol
   token, or a token of the prompt or of the text before it (what `restricted_vocabulary` keeps).
 
 A generated token outside S is one the drafter can never propose: the share of tokens in S bounds
-the acceptance a restricted drafter can keep.
+the acceptance a restricted drafter can keep. With ``drafters``, it also measures that acceptance:
+the greedy agreement of each drafter with the recorded outputs, restricted to S for each N and
+unrestricted. While a greedy draft matches the target it was fed exactly the target's text, so one
+teacher-forced forward over prompt and output gives the drafter's logits at every position, and
+its restricted draft there is the argmax over S (the first N ids, the special tokens and the tokens
+before it, as `restricted_vocabulary` keeps them): the agreement at a position is how many of the
+next K recorded tokens it drafts before the first miss, averaged over every position that leaves K.
 """
 
 from __future__ import annotations
@@ -22,8 +28,10 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+import torch
+
 from .bench.prompts import questions_of
-from .model_sets import QWEN_TARGET
+from .model_sets import QWEN_DRAFT, QWEN_TARGET
 
 DEFAULT_SIZES = (8192, 16384, 32768, 49152, 65536)
 # the benchmark's committed runs: greedy on both shipped sets, and sampled (T 0.7, top-p 0.9)
@@ -50,6 +58,43 @@ def coverage(prompts: Sequence[list[int]], outputs: Sequence[list[int]], sizes: 
     return result
 
 
+@torch.no_grad()
+def drafter_agreement(model, prompts: Sequence[list[int]], outputs: Sequence[list[int]], sizes: Sequence[int],
+                      special: set[int], k: int = 8) -> dict:
+    """{N or "all": mean leading matches (0..k)} of ``model``'s greedy drafts of k tokens from every
+    position of each output, restricted to S for each N (see the module docs) and unrestricted."""
+    matches: dict = {key: [] for key in ("all", *sizes)}
+    for prompt, output in zip(prompts, outputs):
+        if not output:
+            continue
+        ids = torch.tensor([prompt + output])
+        logits = model(ids).logits[0, len(prompt) - 1 : len(prompt) + len(output) - 1].float()  # row j predicts output[j]
+        target = torch.tensor(output)
+        hits = {"all": logits.argmax(-1) == target}
+        seen = set(prompt) | special
+        extras = []  # per position: ids >= 0 kept besides the first N (special and fed so far)
+        for token in output:
+            extras.append(sorted(seen))
+            seen.add(token)
+        for n in sizes:
+            best, index = logits[:, :n].max(-1)
+            for j, kept in enumerate(extras):
+                outside = [i for i in kept if i >= n]
+                if outside:
+                    values = logits[j, outside]
+                    if float(values.max()) > float(best[j]):
+                        index[j] = outside[int(values.argmax())]
+            hits[n] = index == target
+        for key, hit in hits.items():
+            run = hit.tolist()
+            for start in range(len(run) - k + 1):  # every position that leaves k tokens to compare
+                count = 0
+                while count < k and run[start + count]:
+                    count += 1
+                matches[key].append(count)
+    return {key: sum(values) / max(len(values), 1) for key, values in matches.items()}
+
+
 def markdown(groups: dict[str, dict], sizes: Sequence[int]) -> str:
     lines = ["| text | tokens | " + " | ".join(f"N={n}" for n in sizes) + " |",
              "|---|---:|" + "---:|" * len(sizes)]
@@ -58,6 +103,15 @@ def markdown(groups: dict[str, dict], sizes: Sequence[int]) -> str:
             count = entry["prompt_tokens"] if key == "prompt" else entry["output_tokens"]
             cells = " | ".join(f"{100 * entry['coverage'][n][key]:.1f}%" for n in sizes)
             lines.append(f"| {group}: {label} | {count} | {cells} |")
+    return "\n".join(lines)
+
+
+def agreement_markdown(agreement: dict[str, dict], sizes: Sequence[int]) -> str:
+    lines = ["| drafter | unrestricted | " + " | ".join(f"N={n}" for n in sizes) + " |",
+             "|---|---:|" + "---:|" * len(sizes)]
+    for name, values in agreement.items():
+        cells = " | ".join(f"{values[n]:.2f} ({values[n] / values['all']:.0%})" for n in sizes)
+        lines.append(f"| {name} | {values['all']:.2f} | {cells} |")
     return "\n".join(lines)
 
 
@@ -83,9 +137,10 @@ def _recorded_texts(path: Path, tokenizer) -> dict[str, tuple[list, list]]:
 
 
 def run_vocab_coverage(results: Sequence[str] = DEFAULT_RESULTS, sizes: Sequence[int] = DEFAULT_SIZES,
-                       out: str | None = None) -> str:
-    """Coverage per decoding mode and question group, and over all; printed and (with ``out``)
-    written as vocab_coverage.md/.json."""
+                       out: str | None = None, drafters: Sequence[str] = (), k: int = 8) -> str:
+    """Coverage per decoding mode and question group, and over all; with ``drafters`` ("int8",
+    "bf16": the 0.5B so loaded) their greedy agreement with the greedy outputs, K = ``k``, per N;
+    printed and (with ``out``) written as vocab_coverage.md/.json."""
     from . import loading
 
     tokenizer = loading.load_tokenizer(QWEN_TARGET)
@@ -105,14 +160,26 @@ def run_vocab_coverage(results: Sequence[str] = DEFAULT_RESULTS, sizes: Sequence
               "output_tokens": sum(map(len, outputs)), "questions": len(prompts)}
         for key, (prompts, outputs) in ordered.items()
     }
+    agreement = {}
+    if drafters and "greedy: all" in groups:
+        prompts, outputs = groups["greedy: all"]
+        for kind in drafters:
+            model = (loading.load_int8(QWEN_DRAFT) if kind == "int8" else
+                     loading.load(QWEN_DRAFT, {"bf16": torch.bfloat16, "fp32": torch.float32}[kind])[0])
+            agreement[f"0.5B {kind}"] = drafter_agreement(model, prompts, outputs, sizes, special, k)
+            del model
     text = (f"Share of tokens a restricted drafter vocabulary holds (Qwen2.5 tokenizer, {len(tokenizer)} ids): the first "
             f"N ids, the {len(special)} special tokens and every token fed before; prompts and plain generate's "
             f"outputs (first turns) from {', '.join(results)}:\n\n" + markdown(measured, sizes) + "\n")
+    if agreement:
+        text += (f"\nGreedy agreement of the drafter with those greedy outputs: mean leading matches of K = {k} drafts "
+                 f"from every position (teacher-forced), unrestricted and restricted to S:\n\n"
+                 + agreement_markdown(agreement, sizes) + "\n")
     if out is not None:
         directory = Path(out)
         directory.mkdir(parents=True, exist_ok=True)
         (directory / "vocab_coverage.md").write_text(text)
         record = {"command": " ".join(["hf-polybasic", *sys.argv[1:]]), "sizes": list(sizes),
-                  "results": list(results), "groups": measured}
+                  "results": list(results), "groups": measured, "k": k, "agreement": agreement}
         (directory / "vocab_coverage.json").write_text(json.dumps(record, indent=1) + "\n")
     return text
