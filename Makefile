@@ -24,7 +24,7 @@ demo: $(VENV)/.installed
 # installed beside it in .matrix/ (pure-Python wheels, seconds) and put first on PYTHONPATH.
 MATRIX_RELEASES := 4.57.6 5.4.0 5.14.1
 MATRIX_TESTS := tests/test_compat.py tests/test_greedy_equality.py tests/test_sampling_distribution.py \
-	tests/test_generate_features.py tests/test_batches.py
+	tests/test_generate_features.py tests/test_batches.py tests/test_vocab_head.py
 
 test: $(VENV)/.installed
 	$(BIN)/python -m pytest -q

@@ -19,6 +19,7 @@ To choose the chain, K and mu from measurements, profile a pool and plan::
 from . import drafters, levels
 from .config import PolybasicConfig
 from .integration import PolybasicGenerateOutput, disable, enable, generate, last_stats
+from .levels import restricted_vocabulary
 from .planning import Plan, Profile, plan, profile
 from .stats import LevelStats, PolybasicStats
 
@@ -37,5 +38,6 @@ __all__ = [
     "last_stats",
     "plan",
     "profile",
+    "restricted_vocabulary",
 ]
 __version__ = "0.1.0"

@@ -37,6 +37,7 @@ from .schedule import BatchGate, Schedule, make_schedule
 from .stats import LevelStats, PolybasicStats
 from .timing import DEFAULT_CLOCK, Clock, timed
 from .verify import greedy_decision, speculative_decision
+from .vocab_head import NOTHING_TO_SAMPLE
 
 
 @dataclass
@@ -95,7 +96,12 @@ class Verifier:
                                        logits[row].to(sequence.device))  # [k + 1, V]
                 for row, (sequence, _) in requests.items()
             }
-            decisions = torch.stack([self._decide(proposals[row], scores[row]) for row in requests]).tolist()
+            try:
+                decisions = torch.stack([self._decide(proposals[row], scores[row]) for row in requests]).tolist()
+            except RuntimeError as error:  # vocab_head: a restricted level may be left nothing to sample from
+                if self.samples and not all(bool(torch.isfinite(s).any(-1).all()) for s in scores.values()):
+                    raise ValueError(NOTHING_TO_SAMPLE.format(level=self.runner.role)) from error
+                raise
             rounds, kept = {}, {}
             for (row, (sequence, _)), (accepted, next_token) in zip(requests.items(), decisions):
                 rounds[row] = self._round(proposals[row], accepted, next_token, scores[row], logits[row])

@@ -5,6 +5,9 @@
 * `early_exit(model, num_layers)`: the model's first layers with its final norm and head, sharing
   the weights (no copy) but used with its own cache: a self-drafting level usable anywhere in a
   chain.
+* `restricted_vocabulary(model, keep)`: the model with an output layer that scores only a subset
+  of the vocabulary (-inf elsewhere), sharing the weights: a cheaper drafter
+  (`hf_polybasic.vocab_head`).
 * Model-free drafters live in `hf_polybasic.drafters` (`PromptLookup`, and the `Drafter`
   interface for your own) and are re-exported here.
 
@@ -21,9 +24,10 @@ import torch
 from . import four_bit
 from .drafters import Drafter, PromptLookup  # re-exported: every kind of level is reachable from here
 from .four_bit import FOUR_BIT_METHODS
-from .modules import replace_modules
+from .modules import module_view, replace_modules
+from .vocab_head import restricted_vocabulary  # re-exported: every kind of level is reachable from here
 
-__all__ = ["Drafter", "PromptLookup", "early_exit", "quantized_copy"]
+__all__ = ["Drafter", "PromptLookup", "early_exit", "quantized_copy", "restricted_vocabulary"]
 
 QUANTIZATION_METHODS = ("bf16", "fp16", "int8-dynamic", "int4", "nf4")
 # said at every CPU 4-bit copy: exact, but its forwards over many tokens are slow on a CPU
@@ -232,23 +236,10 @@ def early_exit(model: torch.nn.Module, num_layers: int) -> torch.nn.Module:
     if getattr(text_config, "layer_types", None) is not None:
         text_config.layer_types = list(text_config.layer_types[:num_layers])
 
-    short_base = _module_view(base)
+    short_base = module_view(base)
     short_base.layers = torch.nn.ModuleList(list(base.layers[:num_layers]))
     short_base.config = text_config
-    view = _module_view(model)
+    view = module_view(model)
     setattr(view, getattr(model, "base_model_prefix", "model"), short_base)
     view.config = config
-    return view
-
-
-def _module_view(module: torch.nn.Module) -> torch.nn.Module:
-    """A new module object over the same submodules and tensors, with registries of its own: hooks
-    later registered on ``module`` (e.g. a forward counter on the target) do not fire for the view."""
-    view = copy.copy(module)
-    for name, value in vars(module).items():
-        if isinstance(value, dict):
-            # submodule, parameter and buffer tables are copied (same objects inside); hook tables start empty
-            setattr(view, name, type(value)() if "hook" in name else type(value)(value))
-        elif isinstance(value, set):
-            setattr(view, name, set(value))
     return view

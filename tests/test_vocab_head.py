@@ -1,0 +1,318 @@
+"""`restricted_vocabulary`: a drafter whose output layer scores a subset S of the ids, still lossless.
+
+The view's logits are the original's on S and -inf elsewhere, for every kind of output layer; the
+original model is untouched; S grows with what the model is fed; greedy chains with a restricted
+level equal plain generate; sampling through one is distributed as the target's (and a drafter that
+samples from the restricted distribution but reports the unrestricted one is caught); positions
+where the processors leave no id of S finite are left to the level above.
+"""
+
+import pytest
+import torch
+from distribution import (
+    ALPHA,
+    SAMPLES,
+    SETTINGS,
+    STEPS,
+    VOCAB,
+    assert_every_level_took_part,
+    chi_square_p_value,
+    sample_counts,
+)
+
+import hf_polybasic as hp
+from hf_polybasic import compat, cpu
+from hf_polybasic.chain import ChainParts
+from hf_polybasic.drafting import ModelDrafter
+from hf_polybasic.integration import make_generate
+from hf_polybasic.levels import quantized_copy, restricted_vocabulary
+from hf_polybasic.processing import process_positions
+from hf_polybasic.testing import EOS, make_chain, make_target, prompt
+from hf_polybasic.vocab_head import RestrictedLinear
+
+KINDS = ["fp32", "bf16", "int8-dynamic", "packed-fp32", "packed-bf16"]
+CONSTANT = dict(schedule="constant", num_draft_tokens=3, block_threshold=3)
+
+
+def build(kind: str, tied: bool):
+    model = make_target("qwen2", seed=5, tied=tied)
+    if kind == "bf16":
+        return model.to(torch.bfloat16)
+    if kind == "int8-dynamic":
+        return quantized_copy(model, "int8-dynamic")
+    if kind.startswith("packed"):
+        dtype = torch.bfloat16 if kind == "packed-bf16" else torch.float32
+        if not compat.onednn_supports(dtype):
+            pytest.skip(f"no oneDNN {dtype} kernels here")
+        return cpu.pack_linear_layers(model.to(dtype))
+    return model
+
+
+def outside(ids: torch.LongTensor, width: int) -> torch.Tensor:
+    mask = torch.ones(width, dtype=torch.bool)
+    mask[ids] = False
+    return mask
+
+
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("kind", KINDS)
+def test_logits_are_the_originals_on_s_and_minus_inf_elsewhere(kind, tied):
+    model = build(kind, tied)
+    ranking = torch.randperm(96, generator=torch.Generator().manual_seed(1)).tolist()
+    for restricted in (restricted_vocabulary(model, keep=30), restricted_vocabulary(model, keep=30, ranking=ranking)):
+        assert isinstance(restricted.get_output_embeddings(), RestrictedLinear)
+        ids = prompt(7, seed=3)
+        with torch.no_grad():
+            full, mine = model(ids).logits, restricted(ids).logits  # the prompt's tokens join S first
+        kept = restricted.get_output_embeddings().token_ids
+        assert mine.shape == full.shape and mine.dtype == full.dtype
+        assert set(ids[0].tolist()) <= set(kept.tolist())
+        torch.testing.assert_close(mine[..., kept], full[..., kept])  # the same products, maybe summed in another order
+        assert bool(torch.isneginf(mine[..., outside(kept, 96)]).all())
+
+
+def test_the_ranked_rows_of_a_float_head_are_the_shared_weight_itself():
+    """No copy of the ranked rows: a change to the original's weight shows in the view's logits
+    (rows added later are gathered copies of the few rows they need)."""
+    model = make_target("qwen2", seed=5)
+    restricted = restricted_vocabulary(model, keep=40, grow=False)
+    ids = prompt(4, seed=1)
+    with torch.no_grad():
+        before = restricted(ids).logits[0, -1, 3]
+        model.lm_head.weight[3] *= 2
+        after = restricted(ids).logits[0, -1, 3]
+    assert torch.allclose(after, 2 * before)
+
+
+def test_an_int8_head_with_tied_embeddings_keeps_no_copy_of_its_weight():
+    tied = restricted_vocabulary(build("int8-dynamic", tied=True), keep=30).get_output_embeddings()
+    untied = restricted_vocabulary(build("int8-dynamic", tied=False), keep=30).get_output_embeddings()
+    assert tied._rows._stored is None  # rows come from the embedding, re-quantized exactly
+    assert untied._rows._stored is not None
+
+
+@pytest.mark.parametrize("kind", ["fp32", "int8-dynamic"])
+def test_the_original_model_is_untouched(kind):
+    model = build(kind, tied=True)
+    head = model.get_output_embeddings()
+    ids = prompt(9, seed=4)
+    with torch.no_grad():
+        before = model(ids).logits
+    options = dict(do_sample=False, max_new_tokens=12, eos_token_id=None)
+    reference = model.generate(ids, **options)
+    restricted = restricted_vocabulary(model, keep=20)
+    with torch.no_grad():
+        restricted(ids)
+    restricted.generate(ids, **options)
+    assert model.get_output_embeddings() is head and not isinstance(head, RestrictedLinear)
+    assert not model._forward_pre_hooks and not model._forward_hooks
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, before)
+    assert torch.equal(model.generate(ids, **options), reference)
+    assert restricted.model is model.model  # the decoder is shared, not copied
+
+
+def test_s_grows_with_fed_tokens_and_starts_afresh_with_each_sequence():
+    model = make_target("qwen2", seed=5)
+    restricted = restricted_vocabulary(model, keep=20)
+    head = restricted.get_output_embeddings()
+    assert set(head.token_ids.tolist()) == set(range(20))  # EOS, BOS and PAD are ids 2, 1, 0
+    ids = torch.tensor([[5, 60, 61, 60, 95]])
+    out = restricted.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=8, eos_token_id=None)
+    fed = set(out[0, :-1].tolist())  # every token but the last was fed
+    assert fed | set(range(20)) == set(head.token_ids.tolist())
+    with torch.no_grad():
+        full = model(out).logits[0, -1]
+        mine = restricted(out).logits[0, -1]  # no cache: S is kept and the new last token added
+    kept = head.token_ids
+    torch.testing.assert_close(mine[kept], full[kept])
+    assert bool(torch.isneginf(mine[outside(kept, 96)]).all())
+    before = len(head)
+    assert head.add(torch.tensor([60, 61, 70])) == 1 and len(head) == before + 1  # only the new row is gathered
+    restricted.generate(torch.tensor([[7, 8]]), do_sample=False, max_new_tokens=1, eos_token_id=None)
+    assert set(head.token_ids.tolist()) == set(range(20))  # a new sequence on an empty cache: S afresh
+
+
+def test_special_tokens_and_given_ids_are_always_kept():
+    from hf_polybasic.testing import make_tokenizer
+
+    model = make_target("qwen2", seed=5)
+    model.generation_config.eos_token_id = [EOS, 77]
+    restricted = restricted_vocabulary(model, keep=10, tokenizer=make_tokenizer(), always=[90], grow=False)
+    assert {77, 90} <= set(restricted.get_output_embeddings().token_ids.tolist())
+    with pytest.raises(ValueError, match="keep"):
+        restricted_vocabulary(model, keep=0)
+    with pytest.raises(ValueError, match="outside"):
+        restricted_vocabulary(model, keep=3, ranking=[1, 2, 500])
+
+
+# --- chains: greedy ---------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def chain():
+    return make_chain("qwen2", depth=3, seed=11)
+
+
+def _greedy_options():
+    return dict(do_sample=False, max_new_tokens=40, eos_token_id=None)
+
+
+@pytest.mark.parametrize("where", ["drafter of 2", "drafter of 3", "intermediate of 3", "both of 3"])
+def test_greedy_chains_with_a_restricted_level_equal_plain_generate(where, chain):
+    target, mid, draft = chain
+    restrict = lambda model: restricted_vocabulary(model, keep=48)  # noqa: E731  half of the 96 ids
+    assistants = {
+        "drafter of 2": [restrict(mid)],
+        "drafter of 3": [mid, restrict(draft)],
+        "intermediate of 3": [restrict(mid), draft],
+        "both of 3": [restrict(mid), restrict(draft)],
+    }[where]
+    for seed in range(3):
+        ids = prompt(6, seed=seed)
+        out = target.generate(ids, custom_generate=hp.generate, assistant_models=assistants,
+                              polybasic_config=hp.PolybasicConfig(**CONSTANT), **_greedy_options())
+        assert torch.equal(out, target.generate(ids, **_greedy_options()))
+        assert_every_level_took_part(hp.last_stats(target), rejections=False)
+
+
+@pytest.mark.parametrize("do_sample", [False, True])
+def test_a_drafter_left_no_token_of_s_proposes_nothing_there(do_sample, chain):
+    """bad_words_ids ban every id of S (grow=False keeps S fixed): each draft position has only
+    -inf scores, so the drafter proposes nothing and the target decodes alone, exactly."""
+    target, mid, _ = chain
+    restricted = restricted_vocabulary(mid, keep=24, grow=False)
+    banned = [[token] for token in restricted.get_output_embeddings().token_ids.tolist()]
+    ids = prompt(6, seed=1)
+    options = dict(max_new_tokens=16, eos_token_id=None, bad_words_ids=banned, do_sample=do_sample)
+    torch.manual_seed(0)
+    out = target.generate(ids, custom_generate=hp.generate, assistant_models=[restricted],
+                          polybasic_config=hp.PolybasicConfig(**CONSTANT), **options)
+    stats = hp.last_stats(target)
+    assert stats.levels[1].proposed == 0
+    new = out[0, ids.shape[1]:]
+    assert new.shape[0] == 16 and not set(new.tolist()) & {b[0] for b in banned}
+    if not do_sample:
+        assert torch.equal(out, target.generate(ids, **options))
+
+
+def test_a_drafter_left_no_token_of_s_at_some_positions_drafts_at_the_others(chain):
+    """Only every other position bans S: the drafter drafts where it can and stops where it cannot."""
+    target, mid, _ = chain
+    restricted = restricted_vocabulary(mid, keep=40, grow=False)
+    kept = restricted.get_output_embeddings().token_ids.tolist()
+    ids = prompt(6, seed=2)
+    options = dict(max_new_tokens=24, eos_token_id=None, do_sample=False)
+
+    class BanSAtOddLengths:
+        def __call__(self, input_ids, scores):
+            if input_ids.shape[-1] % 2:
+                scores = scores.clone()
+                scores[..., kept] = float("-inf")
+            return scores
+
+    from transformers import LogitsProcessorList
+
+    processors = LogitsProcessorList([BanSAtOddLengths()])
+    out = target.generate(ids, custom_generate=hp.generate, assistant_models=[restricted], logits_processor=processors,
+                          polybasic_config=hp.PolybasicConfig(**CONSTANT), **options)
+    assert torch.equal(out, target.generate(ids, logits_processor=processors, **options))
+    assert hp.last_stats(target).levels[1].proposed > 0
+
+
+def test_a_restricted_intermediate_level_left_nothing_to_sample_says_so(chain):
+    target, mid, draft = chain
+    restricted = restricted_vocabulary(mid, keep=24, grow=False)
+    banned = [[token] for token in restricted.get_output_embeddings().token_ids.tolist()]
+    with pytest.raises(ValueError, match="bottom of the chain"):
+        target.generate(prompt(6, seed=1), do_sample=True, max_new_tokens=8, eos_token_id=None, bad_words_ids=banned,
+                        custom_generate=hp.generate, assistant_models=[restricted, draft],
+                        polybasic_config=hp.PolybasicConfig(**CONSTANT))
+
+
+# --- chains: sampling -------------------------------------------------------------------------------
+KEEP = 4  # of the 8 ids: S = {0, 1, 2, 3}, which leaves out tokens the target samples often
+
+
+def _restricted_of(model):
+    return restricted_vocabulary(model, keep=KEEP, grow=False)
+
+
+def test_s_leaves_out_tokens_the_target_samples(exact_distribution, distribution_models):
+    """The distribution tests below are only meaningful if the target samples ids outside S."""
+    kept = _restricted_of(distribution_models[1]).get_output_embeddings().token_ids.tolist()
+    assert kept == list(range(KEEP))
+    joint = exact_distribution("temperature+top_k+top_p").reshape((VOCAB,) * STEPS)
+    assert joint[KEEP:].sum() > 0.2  # the first token falls outside S this often
+
+
+@pytest.mark.parametrize("setting, where", [
+    ("temperature+top_k+top_p", "drafter of 2"),
+    ("repetition_penalty", "drafter of 3"),
+    ("temperature+top_k+top_p", "intermediate of 3"),
+])
+def test_sampling_through_a_restricted_level_is_the_targets_distribution(setting, where, distribution_models,
+                                                                          exact_distribution):
+    target, m2, m3, _ = distribution_models
+    assistants = {
+        "drafter of 2": [_restricted_of(m2)],
+        "drafter of 3": [m2, _restricted_of(m3)],
+        "intermediate of 3": [_restricted_of(m2), m3],
+    }[where]
+    counts, stats = sample_counts(target, setting, assistants, seed=11, schedule="constant", num_draft_tokens=2,
+                                  block_threshold=2)
+    print(setting, where, assert_every_level_took_part(stats))
+    assert chi_square_p_value(counts, exact_distribution(setting)) > ALPHA
+
+
+class UnrestrictedReportDrafter(ModelDrafter):
+    """The bug a restricted drafter must not have: it samples from the restricted processed
+    distribution (S = the first KEEP ids) but reports the unrestricted one as q."""
+
+    def _draw(self, row, grown, logits, confidence):
+        logits = logits.to(grown.device)
+        self._unrestricted = process_positions(self.rules[row].processors, grown, grown.shape[0], logits).softmax(-1)
+        restricted = logits.clone()
+        restricted[..., KEEP:] = float("-inf")
+        return super()._draw(row, grown, restricted, confidence)
+
+    def proposal_probs(self, probs, logits):
+        return self._unrestricted
+
+
+def test_negative_control_reporting_the_unrestricted_q_is_caught(distribution_models, exact_distribution):
+    lossy = make_generate(ChainParts(model_drafter=UnrestrictedReportDrafter))
+    setting = "temperature+top_k+top_p"
+    counts, stats = sample_counts(distribution_models[0], setting, distribution_models[1:2], seed=11, generate=lossy,
+                                  schedule="constant", num_draft_tokens=2)
+    assert_every_level_took_part(stats)
+    assert chi_square_p_value(counts, exact_distribution(setting)) < ALPHA
+
+
+def test_sampled_tokens_of_a_restricted_chain_are_ones_the_target_can_sample(distribution_models):
+    """A cheap sanity check next to the chi-square test: top_k=5 bounds what may appear."""
+    target, m2, *_ = distribution_models
+    ids = prompt(3, seed=5, vocab=VOCAB)
+    torch.manual_seed(3)
+    out = target.generate(ids, custom_generate=hp.generate, assistant_models=[_restricted_of(m2)],
+                          polybasic_config=hp.PolybasicConfig(**CONSTANT), do_sample=True, max_new_tokens=STEPS,
+                          num_return_sequences=SAMPLES // 10, **SETTINGS["temperature+top_k+top_p"])
+    from distribution import assert_target_could_sample
+
+    assert_target_could_sample(target, out, ids.shape[1], top_k=5)
+
+
+def test_the_coverage_tools_teacher_forced_agreement_is_the_restricted_drafters_own():
+    """`hf-polybasic vocab-coverage --drafter` computes a restricted drafter's greedy agreement from
+    one teacher-forced forward; it equals drafting with the `restricted_vocabulary` view itself."""
+    from hf_polybasic.tools.levels_table import greedy_agreement
+    from hf_polybasic.tools.vocab_coverage import drafter_agreement
+
+    target, mid, _ = make_chain("qwen2", 3, seed=3)
+    continuations = []
+    for seed in range(3):
+        ids = prompt(6, seed=seed)
+        continuations.append((ids, target.generate(ids, **dict(_greedy_options(), max_new_tokens=20))[0, 6:]))
+    fast = drafter_agreement(mid, [ids[0].tolist() for ids, _ in continuations],
+                             [out.tolist() for _, out in continuations], [20, 40], special={0, 1, 2}, k=5)
+    assert fast["all"] == pytest.approx(greedy_agreement(mid, continuations, 5, 1))
+    for keep in (20, 40):
+        assert fast[keep] == pytest.approx(greedy_agreement(restricted_vocabulary(mid, keep), continuations, 5, 1))
