@@ -494,6 +494,21 @@ def logits_processor_classes(*names: str) -> tuple[type, ...]:
 SKIPPED_PREFIX_ATTRIBUTES: dict[type, str] = {lp.RepetitionPenaltyLogitsProcessor: "prompt_ignore_length"}
 
 
+def _repetition_penalty_skips_row_padding() -> bool:
+    """Whether this release's `generate` makes the repetition penalty skip each row's left padding
+    (one ``prompt_ignore_length`` per row). Before it (<= 5.14 at least), plain batched `generate`
+    also penalizes the pad id in a padded row's prompt, so its rows can differ from the same rows
+    generated alone; a chain decodes every row as it is generated alone on every release."""
+    try:
+        lp.RepetitionPenaltyLogitsProcessor(1.1, prompt_ignore_length=torch.tensor([0]))
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
+REPETITION_PENALTY_SKIPS_ROW_PADDING = _repetition_penalty_skips_row_padding()
+
+
 def shift_positions(processor: lp.LogitsProcessor, shift: int) -> lp.LogitsProcessor:
     """``processor`` with its absolute positions moved ``shift`` tokens earlier (a copy), or itself
     when it counts none. A count of skipped leading tokens shrinks by ``shift`` down to 0."""

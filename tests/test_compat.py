@@ -3,6 +3,7 @@
 These are the tests that fail first when a transformers release changes an internal we rely on.
 """
 
+import inspect
 import warnings
 
 import pytest
@@ -304,6 +305,7 @@ def test_positions_shift_on_a_copy(processor, attribute):
     assert compat.shift_positions(processor, 0) is processor
 
 
+@pytest.mark.skipif(not compat.REPETITION_PENALTY_SKIPS_ROW_PADDING, reason="this transformers has no per-row count")
 def test_repetition_penaltys_skipped_prefix_is_per_row_and_shrinks_with_the_removed_padding():
     per_row = lp.RepetitionPenaltyLogitsProcessor(1.3, prompt_ignore_length=torch.tensor([0, 4, 7]))
     view = compat.processor_for_row(per_row, 2, torch.tensor([5, 6]))
@@ -314,6 +316,15 @@ def test_repetition_penaltys_skipped_prefix_is_per_row_and_shrinks_with_the_remo
     assert compat.shift_positions(given, 9).prompt_ignore_length == 0  # never negative: that counts from the end
     plain = lp.RepetitionPenaltyLogitsProcessor(1.3)
     assert compat.shift_positions(plain, 3) is plain and compat.processor_for_row(plain, 1, torch.tensor([5])) is plain
+
+
+def test_the_repetition_penalty_flag_matches_what_generate_builds():
+    """The flag is read from the processor's constructor; `generate` passes one count per row exactly
+    on the releases whose constructor takes them (checked on the source of `generate`)."""
+    from transformers.generation import utils
+
+    passes = "prompt_ignore_length=padding_lengths" in inspect.getsource(utils.GenerationMixin._get_logits_processor)
+    assert compat.REPETITION_PENALTY_SKIPS_ROW_PADDING == passes
 
 
 def test_processors_without_positions_are_not_copied():

@@ -4,6 +4,7 @@ import threading
 
 import pytest
 import torch
+from hf_polybasic import compat
 from hf_polybasic.testing import EOS, PAD, make_chain, make_tokenizer, prompt
 from transformers.generation import logits_process as lp
 from transformers import (
@@ -245,9 +246,18 @@ def test_repetition_penalty_of_a_left_padded_batch_skips_each_rows_padding(rows,
         batch = tokenizer(["ab", "hello!there"], return_tensors="pt", padding=True)
         batch = {key: value[:1] for key, value in batch.items()}
     options = dict(do_sample=False, max_new_tokens=12, eos_token_id=None, pad_token_id=PAD)
-    if ignore is None:  # generate's own processor, with each row's padding as prompt_ignore_length
+    if ignore is None and compat.REPETITION_PENALTY_SKIPS_ROW_PADDING:
+        # generate's own processor, with each row's padding as prompt_ignore_length
         plain = target.generate(**batch, repetition_penalty=1.5, **options)
         assert torch.equal(polybasic(target, assistants, **batch, repetition_penalty=1.5, **options), plain)
+        return
+    if ignore is None:  # older releases' batched generate also penalizes the pad id: each row as alone
+        out = polybasic(target, assistants, **batch, repetition_penalty=1.5, **options)
+        width = batch["input_ids"].shape[1]
+        for row in range(len(batch["input_ids"])):
+            mask = batch["attention_mask"][row].bool()
+            alone = target.generate(batch["input_ids"][row, mask][None], repetition_penalty=1.5, **options)
+            assert torch.equal(out[row, width:], alone[0, int(mask.sum()) :])
         return
     given = LogitsProcessorList([lp.RepetitionPenaltyLogitsProcessor(1.5, prompt_ignore_length=ignore)])
     out = polybasic(target, assistants, **batch, logits_processor=given, **options)
