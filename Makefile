@@ -1,11 +1,12 @@
 # Two commands do everything on a fresh machine (each sets up .venv first, idempotently):
 #   make demo   - the main job
 #   make test   - the test suite (what CI runs)
+#   make mutation - mutation testing of the decoding core (about an hour on 2 cores; not in CI)
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test test-matrix docs serve-docs clean
+.PHONY: demo test test-matrix mutation docs serve-docs clean
 
 # torch==2.13.0 is installed first: an unpinned torch would pull a multi-GB CUDA build.
 $(VENV)/.installed: pyproject.toml
@@ -41,6 +42,13 @@ test-matrix: $(VENV)/.installed
 	  PYTHONPATH=$$dir $(BIN)/python -m pytest -q -p no:cacheprovider $(MATRIX_TESTS) || exit 1; \
 	done
 
+# mutmut 3 (the `mutation` extra) on a seeded, per-module stratified sample of the mutants of the
+# decoding core (modules and tests: [tool.mutmut] in pyproject.toml; sampling and the per-module
+# table: tools/mutation.py). Results stay in mutants/ (`python tools/mutation.py report --diffs`).
+mutation: $(VENV)/.installed
+	$(BIN)/python -c "import mutmut" 2>/dev/null || $(BIN)/pip install --quiet -e ".[mutation]"
+	$(BIN)/python tools/mutation.py run --max-children 2
+
 docs: $(VENV)/.installed
 	$(BIN)/mkdocs build --strict
 
@@ -48,4 +56,4 @@ serve-docs: $(VENV)/.installed
 	$(BIN)/mkdocs serve
 
 clean:
-	rm -rf $(VENV) site .matrix
+	rm -rf $(VENV) site .matrix mutants
