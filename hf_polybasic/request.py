@@ -19,6 +19,7 @@ from .compat import new_dynamic_cache
 from .config import PolybasicConfig
 from .drafters import AddedPromptLookup, Drafter
 from .processing import reject_stateful_processors
+from .vocab_head import drafting_view
 from .vocabulary import as_id_list, check_chain_vocabularies
 
 # model_kwargs that `generate` prepares and the engine understands (it recomputes positions per row)
@@ -94,7 +95,7 @@ def check_request(
     config = resolve_config(polybasic_config, generation_config)
     reject_stateful_processors(logits_processor)
     config.thresholds_for(len(assistants) - 1)  # validates a per-level mu sequence before any work
-    assistants = with_prompt_lookup(assistants, config)
+    assistants = with_prompt_lookup(with_restricted_drafter(assistants, config), config)
 
     rows = row_prompts(input_ids, model_kwargs.get("attention_mask"))
     check_position_ids(model_kwargs.get("position_ids"), rows)
@@ -145,6 +146,18 @@ def _target_caches(target, rows: int, use_cache: bool, given) -> list:
     if rows == 1 and given is not None:
         return [given]
     return [new_dynamic_cache(target) for _ in range(rows)]
+
+
+def with_restricted_drafter(assistants: list, config: PolybasicConfig) -> list:
+    """``assistants`` with the bottom model replaced by its restricted-vocabulary drafting view
+    (`PolybasicConfig.drafter_vocabulary`, `hf_polybasic.vocab_head.drafting_view`) where that pays
+    and stays exact; otherwise unchanged. Not below an added prompt lookup: a restricted level
+    that verifies must emit a token wherever the processors allow one."""
+    bottom = assistants[-1]
+    if config.drafter_vocabulary is None or config.prompt_lookup or isinstance(bottom, Drafter):
+        return assistants
+    view = drafting_view(bottom, config.drafter_vocabulary)
+    return assistants if view is None else [*assistants[:-1], view]
 
 
 def with_prompt_lookup(assistants: list, config: PolybasicConfig) -> list:

@@ -42,7 +42,9 @@ quantizing a view changes the modules it shares with the original.
 
 from __future__ import annotations
 
+import threading
 import warnings
+import weakref
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -52,7 +54,7 @@ from .cpu import PackedLinear
 from .modules import module_view
 from .vocabulary import as_id_list
 
-__all__ = ["RestrictedLinear", "restricted_vocabulary"]
+__all__ = ["RestrictedLinear", "drafting_view", "restricted_vocabulary"]
 
 # raised where a verifying level samples and its processors left it no token (a restricted level)
 NOTHING_TO_SAMPLE = (
@@ -346,3 +348,27 @@ def _grow_hook(restricted: RestrictedLinear):
         restricted.add(ids)
 
     return hook
+
+
+# --- the view a chain drafts through by default (PolybasicConfig.drafter_vocabulary) ------------------
+_views = threading.local()  # per thread: S is the state of one decoding at a time
+
+
+def drafting_view(model: torch.nn.Module, keep: int) -> torch.nn.Module | None:
+    """``restricted_vocabulary(model, keep)`` for a chain's bottom model, made once per model, ``keep``
+    and thread; None where it would not pay or would change how the model runs: an output layer
+    narrower than ``2 * keep`` or of a kind `restricted_vocabulary` does not handle, or forward hooks
+    on the model itself (accelerate's device hooks live there; a view does not run them)."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    width = getattr(head, "out_features", None)
+    if head is None or width is None or width < 2 * keep or model._forward_hooks or model._forward_pre_hooks:
+        return None
+    if not (type(head) is torch.nn.Linear or isinstance(head, (PackedLinear, _dynamic_int8_type()))):
+        return None
+    views = getattr(_views, "by_model", None)
+    if views is None:
+        views = _views.by_model = weakref.WeakKeyDictionary()
+    made = views.setdefault(model, {})
+    if keep not in made:
+        made[keep] = restricted_vocabulary(model, keep)
+    return made[keep]

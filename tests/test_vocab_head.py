@@ -21,7 +21,7 @@ from distribution import (
 )
 
 import hf_polybasic as hp
-from hf_polybasic import compat, cpu
+from hf_polybasic import compat, cpu, vocab_head
 from hf_polybasic.chain import ChainParts
 from hf_polybasic.drafting import ModelDrafter
 from hf_polybasic.integration import make_generate
@@ -316,3 +316,57 @@ def test_the_coverage_tools_teacher_forced_agreement_is_the_restricted_drafters_
     assert fast["all"] == pytest.approx(greedy_agreement(mid, continuations, 5, 1))
     for keep in (20, 40):
         assert fast[keep] == pytest.approx(greedy_agreement(restricted_vocabulary(mid, keep), continuations, 5, 1))
+
+
+# --- the default: PolybasicConfig(drafter_vocabulary=...) restricts the bottom model ------------------
+def test_the_default_config_drafts_through_a_restricted_view_of_a_wide_bottom_model(chain):
+    """drafter_vocabulary=32 on the 96-id tiny chain (the default, 65,536, does the same for
+    vocabularies of 131,072 ids and more): the bottom model drafts through one cached view, S grows
+    with the text, the output is plain generate's and the model given is untouched."""
+    target, mid, draft = chain
+    config = hp.PolybasicConfig(**CONSTANT, drafter_vocabulary=32)
+    view = vocab_head.drafting_view(draft, 32)
+    assert view is vocab_head.drafting_view(draft, 32) and view is not draft
+    assert len(view.get_output_embeddings()) >= 32
+    for seed in range(3):
+        ids = prompt(6, seed=seed + 7)
+        out = target.generate(ids, custom_generate=hp.generate, assistant_models=[mid, draft],
+                              polybasic_config=config, **_greedy_options())
+        assert torch.equal(out, target.generate(ids, **_greedy_options()))
+        assert_every_level_took_part(hp.last_stats(target), rejections=False)
+        fed = set(torch.cat([ids[0], out[0]]).tolist())
+        # the view drafted: it was fed this call's text (S grew beyond the first 32 ids by it)
+        assert fed - set(range(32)) <= set(view.get_output_embeddings().token_ids.tolist())
+    assert type(draft.get_output_embeddings()) is torch.nn.Linear
+
+
+def test_the_drafting_view_is_left_out_where_it_would_not_pay_or_change_how_the_model_runs(chain):
+    target, mid, draft = chain
+    assert vocab_head.drafting_view(draft, 65536) is None  # 96 ids: nothing to cut
+    assert vocab_head.drafting_view(draft, 49) is None  # fewer than twice the ids kept
+    hooked = make_chain("qwen2", depth=2, seed=3)[1]
+    hooked.register_forward_pre_hook(lambda module, args: None)  # accelerate's device hooks sit here
+    assert vocab_head.drafting_view(hooked, 32) is None
+    lookup = hp.PolybasicConfig(**CONSTANT, drafter_vocabulary=32, prompt_lookup=True)
+    from hf_polybasic.request import with_restricted_drafter
+
+    assert with_restricted_drafter([mid, draft], lookup) == [mid, draft]  # draft verifies the lookup's copies
+    assert with_restricted_drafter([mid, draft], hp.PolybasicConfig(drafter_vocabulary=None)) == [mid, draft]
+    restricted = with_restricted_drafter([mid, draft], hp.PolybasicConfig(drafter_vocabulary=32))
+    assert restricted[0] is mid and isinstance(restricted[1].get_output_embeddings(), RestrictedLinear)
+
+
+@pytest.mark.parametrize("value", [0, -3, True, 2.5, "65536"])
+def test_drafter_vocabulary_must_be_none_or_a_positive_int(value):
+    with pytest.raises(ValueError, match="PolybasicConfig.drafter_vocabulary must be None or an int >= 1"):
+        hp.PolybasicConfig(drafter_vocabulary=value)
+
+
+def test_sampling_with_the_default_restricted_drafter_is_the_targets_distribution(distribution_models,
+                                                                                  exact_distribution):
+    target, m2, *_ = distribution_models
+    setting = "temperature+top_k+top_p"
+    counts, stats = sample_counts(target, setting, [m2], seed=13, schedule="constant", num_draft_tokens=2,
+                                  drafter_vocabulary=KEEP)
+    assert_every_level_took_part(stats)
+    assert chi_square_p_value(counts, exact_distribution(setting)) > ALPHA

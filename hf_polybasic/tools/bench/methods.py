@@ -191,15 +191,16 @@ def _lookup_label(options: MethodOptions) -> str:
     return f"PromptLookup({options.lookup_tokens} tokens, n<={options.lookup_max_ngram})"
 
 
-def _chain(name: str, levels: tuple[str, ...], schedule: str = "constant") -> Recipe:
+def _chain(name: str, levels: tuple[str, ...], schedule: str = "constant", **settings) -> Recipe:
     """Ours over ``levels``, strongest first: pool keys ("mid", "draft", ...) and, at the bottom,
-    "lookup" (a `PromptLookup`). K and mu come from the shared options; `polybasic` leaves the one
-    a chain does not use out of the spec."""
+    "lookup" (a `PromptLookup`). K and mu come from the shared options, ``settings`` are further
+    `PolybasicConfig` fields; `polybasic` leaves the one a chain does not use out of the spec."""
 
     def build(ms: ModelSet, o: MethodOptions) -> Method:
         models = [_lookup(o) if level == "lookup" else ms.pool[level] for level in levels]
         labels = [_lookup_label(o) if level == "lookup" else ms.labels[level] for level in levels]
-        config = PolybasicConfig(num_draft_tokens=o.num_draft_tokens, block_threshold=o.block_threshold, schedule=schedule)
+        config = PolybasicConfig(num_draft_tokens=o.num_draft_tokens, block_threshold=o.block_threshold,
+                                 schedule=schedule, **settings)
         return polybasic(models, labels, config, name)
 
     return Recipe(name, tuple(level for level in levels if level != "lookup"), build)
@@ -240,7 +241,8 @@ RECIPES: dict[str, Recipe] = {
             lambda ms, o: hf_assisted(ms.pool["mid"], ms.labels["mid"], o.num_draft_tokens, "hf-assisted-mid"),
         ),
         _chain("ours-draft", ("draft",)),
-        _chain("ours-draft-auto", ("draft",), "cost_aware"),
+        _chain("ours-draft-auto", ("draft",), "cost_aware"),  # the default (its drafter restricted to 65,536 ids)
+        _chain("ours-draft-fullvocab-auto", ("draft",), "cost_aware", drafter_vocabulary=None),
         _chain("ours-mid", ("mid",)),
         _chain("ours-mid-auto", ("mid",), "cost_aware"),
         _chain("ours-draft-fp32", ("draft-fp32",)),
