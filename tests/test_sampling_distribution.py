@@ -24,6 +24,7 @@ from distribution import (
 )
 
 from hf_polybasic.chain import ChainParts
+from hf_polybasic.schedule import batch_gate
 from hf_polybasic.drafting import ModelDrafter
 from hf_polybasic.integration import make_generate
 from hf_polybasic.testing import cheap_drafting_costs, prompt, simulated_machine
@@ -52,10 +53,13 @@ def test_chain_samples_the_target_distribution(setting, depth, config, distribut
 
 @pytest.mark.parametrize("setting, depth", [("temperature+top_k+top_p", 3), ("repetition_penalty", 4)])
 def test_cost_aware_chain_samples_the_target_distribution_where_drafting_pays(
-    setting, depth, distribution_models, exact_distribution
+    setting, depth, distribution_models, exact_distribution, monkeypatch
 ):
     """The default schedule, on a simulated machine where every level's drafts pay (a flat, costly
-    target and assistants 50 times cheaper than the level above): it drafts, and stays exact."""
+    target and assistants 50 times cheaper than the level above): it drafts, and stays exact. The
+    samples are one batch of 3 new tokens per row, which a batch's plain rounds timed first would
+    use up: the gate starts with its short proposals at once."""
+    monkeypatch.setattr(batch_gate, "PLAIN_FIRST_ROUNDS", 0)
     target, *assistants = distribution_models[:depth]
     with simulated_machine(cheap_drafting_costs(target, assistants)) as generate:
         counts, stats = sample_counts(target, setting, assistants, seed=17, generate=generate, block_threshold=2)

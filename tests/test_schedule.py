@@ -25,6 +25,9 @@ from hf_polybasic.drafting import ModelDrafter
 from hf_polybasic.integration import make_generate
 from hf_polybasic.levels import early_exit
 from hf_polybasic.protocol import Proposal
+from hf_polybasic.schedule.backoff import MAX_BACKOFF_ROUNDS
+from hf_polybasic.schedule.batch_gate import BLIND_LENGTH, PLAIN_FIRST_ROUNDS
+from hf_polybasic.schedule import batch_gate
 from hf_polybasic.schedule import (
     FIRST_BACKOFF_ROUNDS,
     SAFETY_MARGIN,
@@ -309,9 +312,12 @@ def test_the_simulated_policy_is_deterministic():
 # --- losslessness ----------------------------------------------------------------------------------
 @pytest.mark.parametrize("schedule", ["heuristic", "cost_aware"])
 @pytest.mark.parametrize("depth", [2, 3])
-def test_varying_schedules_sample_the_target_distribution(schedule, depth, distribution_models, exact_distribution):
+def test_varying_schedules_sample_the_target_distribution(schedule, depth, distribution_models, exact_distribution,
+                                                          monkeypatch):
     """Lengths that move between rounds (cost-aware: on a simulated machine where drafting pays, so
-    it drafts; with equal-cost tiny models it would rightly back off and test plain sampling)."""
+    it drafts; with equal-cost tiny models it would rightly back off and test plain sampling). One
+    batch of 3 new tokens per row: the batch gate proposes at once instead of timing plain rounds."""
+    monkeypatch.setattr(batch_gate, "PLAIN_FIRST_ROUNDS", 0)
     setting = "temperature+top_k+top_p"
     target, *assistants = distribution_models[:depth]
     with simulated_machine(cheap_drafting_costs(target, assistants)) as simulated:
@@ -416,25 +422,35 @@ def test_the_batch_gate_prices_a_batch_up_front_from_the_curves():
     # a machine that is flat up to 8 tokens: 2 rows can verify drafts for free, 8 rows cannot
     knee = _estimate(lambda k: 0.1 * max(1.0, k / 8))
     assert proposing_can_pay(2, knee, drafter) and not proposing_can_pay(8, knee, drafter)
-    assert BatchGate(4, linear, drafter).paused and not BatchGate(4, flat, drafter).paused
+    # a batch that can pay still starts with plain rounds, timed: the rate it must beat is measured
+    assert BatchGate(4, linear, drafter).backoff.paused_for == MAX_BACKOFF_ROUNDS
+    assert BatchGate(4, flat, drafter).backoff.paused_for == PLAIN_FIRST_ROUNDS
 
 
 def test_the_batch_gate_backs_off_when_the_batchs_rounds_lose_by_the_clock():
     from hf_polybasic.schedule.batch_gate import WINDOW
 
-    gate = BatchGate(4, _estimate(lambda k: 0.1))  # plain priced at 4 tokens per 0.1 s
+    # the curve prices plain batched decoding at 4 tokens per 0.4 s (10 tokens/s); the gate never
+    # takes that rate: it times plain rounds first (4 tokens per 0.1 s here, 40 tokens/s)
+    gate = BatchGate(4, _estimate(lambda k: 0.4))
     gate.observe_round(20, 9.0, 4)  # the prefill: not judged
-    for _ in range(WINDOW):
-        assert not gate.paused
-        gate.observe_round(8, 0.3, 4)  # 26.7 tokens/s against 40 for plain batched decoding
+    for _ in range(PLAIN_FIRST_ROUNDS):
+        assert gate.paused
+        gate.observe_round(4, 0.1, 4)
+    assert not gate.paused and gate.plain_rate() == pytest.approx(40.0)
+    assert gate.cap == BLIND_LENGTH and gate.window == 1  # short proposals, each round judged alone
+    gate.observe_round(8, 0.3, 4)  # 26.7 tokens/s: a loss against the timed rate (a win against the curve's)
     assert gate.paused
-    for _ in range(FIRST_BACKOFF_ROUNDS):  # sat out: plain rounds, timed (20 tokens/s, slower than priced)
-        gate.observe_round(4, 0.2, 4)
-    assert not gate.paused and gate.backoff.paused_rounds == FIRST_BACKOFF_ROUNDS
-    assert gate.plain_rate(4) == pytest.approx(20.0)
-    for _ in range(WINDOW):  # the same rounds now beat the plain rounds this call timed
-        gate.observe_round(8, 0.3, 4)
-    assert not gate.paused and gate.backoff.stretch == FIRST_BACKOFF_ROUNDS
+    first_pause = gate.backoff.paused_for
+    for _ in range(first_pause):  # sat out: plain rounds, timed, now slower (4 tokens per 0.4 s)
+        gate.observe_round(4, 0.4, 4)
+    assert not gate.paused and gate.plain_rate() < 26.0
+    gate.observe_round(8, 0.3, 4)  # the same round now beats plain: the rows' schedules decide
+    assert not gate.paused and gate.cap is None and gate.window == WINDOW
+    assert gate.backoff.stretch == FIRST_BACKOFF_ROUNDS
+    for _ in range(WINDOW):
+        gate.observe_round(4, 0.8, 4)  # a window of 5 tokens/s rounds: sat out again
+    assert gate.paused
 
 
 def test_a_batch_that_rows_left_is_priced_again_as_the_smaller_batch_it_is():
@@ -442,15 +458,19 @@ def test_a_batch_that_rows_left_is_priced_again_as_the_smaller_batch_it_is():
     the gate decides afresh and lets the 2 left draft (what the larger batch timed is dropped)."""
     knee, drafter = _estimate(lambda k: 0.1 * max(1.0, k / 8)), _estimate(lambda k: 0.01)
     gate = BatchGate(8, knee, drafter)
-    assert gate.paused
+    assert gate.backoff.paused_for == MAX_BACKOFF_ROUNDS
     gate.observe_round(40, 5.0, 8)  # the prefill
     gate.observe_round(8, 0.1, 8)  # a plain round of 8 rows, timed
     assert gate.plain_seconds > 0 and gate.paused
-    gate.observe_round(2, 0.1, 2)  # six rows left
-    assert not gate.paused and gate.plain_seconds == 0 and gate.backoff.paused_rounds >= 1
-    gate.observe_round(2, 0.1, 1)  # one row: drafting pays even more
+    gate.observe_round(2, 0.1, 2)  # six rows left: timed afresh, plain rounds first
+    assert gate.backoff.paused_for == PLAIN_FIRST_ROUNDS and gate.plain_seconds == 0
+    assert gate.backoff.paused_rounds >= 1 and gate.cap == BLIND_LENGTH
+    for _ in range(PLAIN_FIRST_ROUNDS):
+        gate.observe_round(2, 0.1, 2)
     assert not gate.paused
+    gate.observe_round(2, 0.1, 1)  # one row: timed afresh again
+    assert gate.backoff.paused_for == PLAIN_FIRST_ROUNDS
     steep = BatchGate(2, _estimate(lambda k: 0.1 * k), drafter)
     steep.observe_round(10, 1.0, 2)
     steep.observe_round(2, 0.1, 1)  # a compute-bound machine: not even one row pays
-    assert steep.paused
+    assert steep.backoff.paused_for == MAX_BACKOFF_ROUNDS

@@ -7,18 +7,21 @@ any row drafts, so a row's schedule, which prices its own tokens as an even shar
 stronger baseline than one row decoding alone: n rows cost a memory-bound machine about one step,
 while verifying n rows of k tokens each makes a forward of n k tokens, which can be compute-bound.
 
-Before the first round it prices the batch with the cost curves (without a curve for the target it
-starts with a few plain rounds instead, to time what speculation must beat): if not even a generous acceptance
+Before the first round it prices the batch with the cost curves: if not even a generous acceptance
 (`UPFRONT_ACCEPTANCE` per token) makes any proposal length beat plain batched decoding by
 `UPFRONT_MARGIN`, the batch starts sat out (the drafter is then never even prefilled), as a single
-row does when not even perfect acceptance could pay. Then a `BatchGate` times what the batch actually gets, by the clock: the tokens all rows emit per second
-in rounds with proposals, against the same in rounds without (plain batched decoding, measured in
-the same call; until a plain round is seen, the target's cost curve for a forward of one token per
-row). After `WINDOW` rounds with proposals it either lets them go on or sits the whole batch out
-(`BackOff`: a stretch of plain rounds that doubles while the windows after it still lose). When
-rows are done and leave, the batch is a smaller one: the curves decide afresh (a forward of fewer
-rows stays memory-bound for more tokens each, so drafting may pay where it did not). Every row's
-schedule of the level under the target consults it (`CostAwareSchedule.length`).
+row does when not even perfect acceptance could pay. Otherwise a `BatchGate` times what the batch
+actually gets, by the clock, against plain batched decoding timed in the same call: the batch
+starts with `PLAIN_FIRST_ROUNDS` plain rounds, timed, then proposes at most `BLIND_LENGTH` tokens
+per row, each round judged alone, until a round with proposals has beaten the plain ones; from
+then on it judges windows of `WINDOW` rounds and the rows' schedules pick their lengths. A losing
+round or window sits the whole batch out (`BackOff`: a stretch of plain rounds that doubles while
+the probes after it still lose). The rate to beat is never read off a curve: a curve is one row's
+forward measured at another moment, and a batch's forward over n rows' contexts costs what it costs
+now (on the 2-core EPYC a curve point off by a third let 4- and 8-row batches speculate at 0.68x).
+When rows are done and leave, the batch is a smaller one: it is priced and timed afresh (a forward
+of fewer rows stays memory-bound for more tokens each, so drafting may pay where it did not).
+Every row's schedule of the level under the target consults it (`CostAwareSchedule.length`).
 
 Lossless like every schedule: it only decides, from past timings, whether the next round proposes.
 """
@@ -39,8 +42,7 @@ MARGIN = 0.95
 UPFRONT_ACCEPTANCE = 0.8
 UPFRONT_MARGIN = 1.1
 UPFRONT_LENGTHS = 8
-# without a cost curve for the target, the batch decodes plainly for this many rounds (after the
-# prefill) to time what it must beat
+# a batch decodes plainly for this many rounds (after the prefill) to time what it must beat
 PLAIN_FIRST_ROUNDS = 2
 # ... and its rows propose at most this many tokens per round until a round with proposals has
 # beaten the plain ones (each such round is judged alone)
@@ -53,11 +55,8 @@ class BatchGate:
     Args:
         rows: the batch's rows.
         target_costs: the target's forward cost, ``seconds(k)`` for k tokens scored
-            (`hf_polybasic.costs.CostEstimate`), to price plain batched rounds before one is timed;
-            None (no curve: ``measure_costs=False`` and none stored): the batch starts with
-            `PLAIN_FIRST_ROUNDS` plain rounds, timed, so that its windows have a rate to beat, and
-            its rows propose at most `BLIND_LENGTH` tokens, each such round judged alone, until
-            proposing has been seen to pay (``cap``).
+            (`hf_polybasic.costs.CostEstimate`), for the up-front check; None (no curve:
+            ``measure_costs=False`` and none stored): no up-front check.
         step_costs: the proposing level's own forward cost, ``seconds(k)`` (its model's curve; None
             for a `Drafter`, whose proposals are priced as free): with ``target_costs``, the up-front check.
     """
@@ -66,14 +65,7 @@ class BatchGate:
         self.target_costs, self.step_costs = target_costs, step_costs
         self.rows = rows
         self.backoff = BackOff()
-        # without a curve nothing prices a round before it is timed: plain rounds first, then single
-        # rounds of short proposals, until one window shows that proposing pays
-        self.window = WINDOW if target_costs is not None else 1
-        self.cap: int | None = None if target_costs is not None else BLIND_LENGTH
-        if target_costs is None:
-            self.backoff.pause(PLAIN_FIRST_ROUNDS)
-        elif not proposing_can_pay(rows, target_costs, step_costs):
-            self.backoff.pause(MAX_BACKOFF_ROUNDS)
+        self._start()
         self.rounds = 0
         self.window_tokens = self.window_seconds = 0.0
         self.window_rounds = 0
@@ -86,8 +78,9 @@ class BatchGate:
     def observe_round(self, tokens: int, seconds: float, rows: int) -> None:
         """The batch's last round: its ``rows`` live rows emitted ``tokens`` tokens in ``seconds``."""
         self.rounds += 1
-        if rows != self.rows:
+        if rows != self.rows:  # a smaller batch from now on: this round was the larger one's
             self._rows_left(rows)
+            return
         if self.rounds == 1:  # it holds the prompts' prefill
             return
         if self.backoff.paused:
@@ -103,7 +96,7 @@ class BatchGate:
         rate = self.window_tokens / max(self.window_seconds, 1e-12)
         self.window_tokens = self.window_seconds = 0.0
         self.window_rounds = 0
-        plain = self.plain_rate(rows)
+        plain = self.plain_rate()
         if plain is None or rate >= MARGIN * plain:
             self.backoff.reset()
             if plain is not None:  # proposing was seen to pay: the rows' schedules decide their lengths
@@ -114,27 +107,30 @@ class BatchGate:
     def _rows_left(self, rows: int) -> None:
         """Rows that were done left the batch: it is a smaller batch now, which may pay where the larger
         one did not (a forward of fewer rows stays memory-bound for more tokens each). What was timed
-        for the larger batch is dropped, and the curves decide afresh where there are curves."""
+        for the larger batch is dropped; it is priced and timed afresh (`_start`)."""
         self.rows = rows
         self.window_tokens = self.window_seconds = 0.0
         self.window_rounds = 0
         self.plain_seconds = self.plain_rounds = 0.0
-        if self.target_costs is None:
-            return
         paused_rounds = self.backoff.paused_rounds
         self.backoff = BackOff()
         self.backoff.paused_rounds = paused_rounds
-        if not proposing_can_pay(rows, self.target_costs, self.step_costs):
-            self.backoff.pause(MAX_BACKOFF_ROUNDS)
+        self._start()
 
-    def plain_rate(self, rows: int) -> float | None:
-        """Tokens per second of plain batched decoding with ``rows`` live rows: timed in this call's
-        plain rounds (their seconds per row), else priced by the target's curve (one token per row);
-        None if neither is known."""
+    def _start(self) -> None:
+        """Sit out for good where the curves say no proposal can pay; else time `PLAIN_FIRST_ROUNDS`
+        plain rounds, then judge single rounds of at most `BLIND_LENGTH` tokens per row."""
+        self.window, self.cap = 1, BLIND_LENGTH
+        if self.target_costs is not None and not proposing_can_pay(self.rows, self.target_costs, self.step_costs):
+            self.backoff.pause(MAX_BACKOFF_ROUNDS)
+        else:
+            self.backoff.pause(PLAIN_FIRST_ROUNDS)
+
+    def plain_rate(self) -> float | None:
+        """Tokens per second of plain batched decoding with the batch's live rows, timed in this
+        call's plain rounds since rows last left (their decayed seconds per row); None before one."""
         if self.plain_rounds:
             return self.plain_rounds / self.plain_seconds
-        if self.target_costs is not None:
-            return rows / max(_interpolated(self.target_costs, rows), 1e-12)
         return None
 
 

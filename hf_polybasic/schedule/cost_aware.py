@@ -129,7 +129,7 @@ class CostAwareSchedule:
         if not self.backoff.probing and self.rounds >= WARMUP_ROUNDS and not self.first_token_pays():
             self.backoff.pause()
             return 0
-        if self.gate is not None and self.gate.cap is not None:  # a batch without cost curves, still blind
+        if self.gate is not None and self.gate.cap is not None:  # a batch not yet seen to pay: short proposals
             return min(self.current, self.gate.cap)
         return self.current
 
