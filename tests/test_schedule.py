@@ -424,6 +424,12 @@ def test_the_batch_gate_prices_a_batch_up_front_from_the_curves():
     assert proposing_can_pay(2, knee, drafter) and not proposing_can_pay(8, knee, drafter)
     # a batch that can pay still starts with plain rounds, timed: the rate it must beat is measured
     assert BatchGate(4, linear, drafter).backoff.paused_for == MAX_BACKOFF_ROUNDS
+    # the drafter's own steps count: one as dear as a target step leaves nothing to gain
+    assert not proposing_can_pay(4, flat, _estimate(lambda k: 0.1)) and proposing_can_pay(4, flat, None)
+    # k drafts per row are verified in a forward of rows * (k + 1) tokens: flat up to 4 tokens, 2 rows
+    # can verify one draft each (4 tokens) but nothing more
+    steep_after_4 = _estimate(lambda k: 0.1 if k <= 4 else 1.0)
+    assert proposing_can_pay(2, steep_after_4, None)
     assert BatchGate(4, flat, drafter).backoff.paused_for == PLAIN_FIRST_ROUNDS
 
 
@@ -438,6 +444,7 @@ def test_the_batch_gate_backs_off_when_the_batchs_rounds_lose_by_the_clock():
         assert gate.paused
         gate.observe_round(4, 0.1, 4)
     assert not gate.paused and gate.plain_rate() == pytest.approx(40.0)
+    assert gate.window_tokens == 0 and gate.window_seconds == 0  # the first window counts its own rounds only
     assert gate.cap == BLIND_LENGTH and gate.window == 1  # short proposals, each round judged alone
     gate.observe_round(8, 0.3, 4)  # 26.7 tokens/s: a loss against the timed rate (a win against the curve's)
     assert gate.paused

@@ -135,3 +135,20 @@ def test_align_vocabulary_slices_without_renormalising_and_pads_with_zero():
     assert torch.equal(align_vocabulary(probs, 2), torch.tensor([[0.25, 0.25]]))
     assert torch.equal(align_vocabulary(probs, 4), torch.tensor([[0.25, 0.25, 0.5, 0.0]]))
     assert align_vocabulary(probs, 3) is probs
+
+
+def test_the_int_wrappers_draw_from_the_generator_they_are_given():
+    """point_mass_verify / speculative_verify pass ``generator`` on: the same seed gives the same
+    draws whatever the global RNG did in between (a wrapper that dropped it would follow the global)."""
+    from hf_polybasic.verify import point_mass_verify, speculative_verify
+
+    probs = torch.full((4, 16), 1 / 16)
+    drafts = torch.tensor([3, 5, 7])
+    for verify in (lambda g: point_mass_verify(drafts, probs, g),
+                   lambda g: speculative_verify(drafts, torch.full((3, 16), 1 / 16), probs, g)):
+        runs = []
+        for global_seed in (1, 2):
+            torch.manual_seed(global_seed)
+            generator = torch.Generator().manual_seed(0)
+            runs.append([verify(generator) for _ in range(20)])
+        assert runs[0] == runs[1]

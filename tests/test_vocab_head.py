@@ -370,3 +370,44 @@ def test_sampling_with_the_default_restricted_drafter_is_the_targets_distributio
                                   drafter_vocabulary=KEEP)
     assert_every_level_took_part(stats)
     assert chi_square_p_value(counts, exact_distribution(setting)) > ALPHA
+
+
+@pytest.mark.parametrize("kind", ["fp32", "int8-dynamic", "packed-fp32"])
+def test_a_biased_output_layer_keeps_its_bias_on_s(kind):
+    model = make_target("qwen2", seed=5, tied=False)
+    with torch.no_grad():
+        model.lm_head.bias = torch.nn.Parameter(torch.randn(96, generator=torch.Generator().manual_seed(2)) * 3)
+    if kind == "int8-dynamic":
+        model = quantized_copy(model, "int8-dynamic")
+    elif kind == "packed-fp32":
+        if not compat.onednn_supports(torch.float32):
+            pytest.skip("no oneDNN fp32 kernels here")
+        model = cpu.pack_linear_layers(model)
+    restricted = restricted_vocabulary(model, keep=30)
+    ids = prompt(7, seed=3)  # fed ids join S as rows gathered later: the bias of those rows too
+    with torch.no_grad():
+        full, mine = model(ids).logits, restricted(ids).logits
+    kept = restricted.get_output_embeddings().token_ids
+    assert len(kept) > 30
+    torch.testing.assert_close(mine[..., kept], full[..., kept])
+
+
+def test_what_cannot_be_restricted_is_named():
+    class NoHead(torch.nn.Module):
+        def get_output_embeddings(self):
+            return None
+
+    with pytest.raises(TypeError, match="restricted_vocabulary: NoHead has no output layer"):
+        restricted_vocabulary(NoHead())
+    model = make_target("qwen2", seed=5, tied=False)
+    model.lm_head = torch.nn.utils.parametrizations.weight_norm(torch.nn.Linear(32, 96))  # not a plain nn.Linear
+    model.lm_head.out_features = 96
+    with pytest.raises(TypeError, match="supported are float nn.Linear, dynamic int8 .* and oneDNN-packed"):
+        restricted_vocabulary(model)
+
+
+def test_bos_and_decoder_start_ids_are_always_kept():
+    model = make_target("qwen2", seed=5)
+    model.config.bos_token_id, model.config.decoder_start_token_id = 91, 92
+    kept = restricted_vocabulary(model, keep=10, grow=False).get_output_embeddings().token_ids.tolist()
+    assert {91, 92} <= set(kept)
