@@ -402,8 +402,26 @@ def test_what_cannot_be_restricted_is_named():
     model = make_target("qwen2", seed=5, tied=False)
     model.lm_head = torch.nn.utils.parametrizations.weight_norm(torch.nn.Linear(32, 96))  # not a plain nn.Linear
     model.lm_head.out_features = 96
-    with pytest.raises(TypeError, match="supported are float nn.Linear, dynamic int8 .* and oneDNN-packed"):
+    with pytest.raises(TypeError, match=r"supported are float nn.Linear, dynamic int8 \(hf_polybasic.* and "
+                                        r"oneDNN-packed \(hf_polybasic\.cpu\.pack_linear_layers\) layers"):
         restricted_vocabulary(model)
+
+
+def test_a_model_without_input_embeddings_is_restricted_without_them():
+    """Rows gathered later come from the weight itself: no input embedding is needed."""
+    from types import SimpleNamespace
+
+    class Bare(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.config, self.head = SimpleNamespace(), torch.nn.Linear(4, 96)
+
+        def get_output_embeddings(self):
+            return self.head
+
+    restricted = restricted_vocabulary(Bare(), keep=10)
+    assert isinstance(restricted.get_output_embeddings(), RestrictedLinear)
+    assert restricted.get_output_embeddings().token_ids.tolist() == list(range(10))
 
 
 def test_bos_and_decoder_start_ids_are_always_kept():
