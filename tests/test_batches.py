@@ -406,3 +406,28 @@ def test_every_row_of_a_hybrid_batch_equals_plain_generate_and_the_row_alone(arc
         alone = target.generate(p[None], **options)[0, p.shape[0] :]
         assert torch.equal(out.sequences[row, ids.shape[1] : ids.shape[1] + alone.shape[0]], alone)
     assert_every_level_took_part(out.polybasic_stats, rejections=False, acceptances=False)
+
+
+def test_a_single_row_runner_has_nothing_to_release_or_prefill_repeated(shared_models):
+    """release_rows and prefill_repeated are batch operations: a one-row runner keeps its row and
+    refuses a repeated prefill with a message naming the runner."""
+    from hf_polybasic.cache import CachedModel
+    from hf_polybasic.compat import new_dynamic_cache
+
+    model = shared_models.chain("llama", 1, seed=75)[0]
+    single = CachedModel(model, new_dynamic_cache(model), "the one row")
+    single.logits(prompt(4, seed=1)[0], 1)
+    single.release_rows([0])
+    assert single.live_rows == 1
+    with pytest.raises(ValueError, match="the one row: prefill_repeated needs an empty runner of 1 rows"):
+        CachedModel(model, new_dynamic_cache(model), "the one row").prefill_repeated({0: prompt(4, seed=1)[0]}, 1)
+
+
+def test_a_drafter_reporting_nan_log_probs_is_refused():
+    from hf_polybasic.drafting import check_drafter_output
+
+    log_probs = torch.log(torch.full((2, 8), 1 / 8))
+    log_probs[1, 3] = float("nan")
+    with pytest.raises(ValueError, match="log_probs with NaN or \\+inf"):
+        check_drafter_output("Mine", torch.tensor([1, 2]), log_probs, limit=4)
+    check_drafter_output("Mine", torch.tensor([1, 2]), torch.log(torch.full((2, 8), 1 / 8)), limit=4)
