@@ -170,3 +170,34 @@ def test_the_schedule_prices_tokens_from_the_curves_trend_not_two_noisy_points()
     assert exact.seconds(3) == pytest.approx(0.12) and exact.seconds(32) == pytest.approx(0.41)
     assert affine_fit({1: 0.3, 8: 0.1}) == (pytest.approx(0.2), 0.0)  # a falling trend is noise: flat
     assert affine_fit({4: 0.2}) == (0.2, 0.0)
+
+
+def test_refreshes_from_call_after_call_converge_on_what_forwards_cost():
+    """A benchmark's hundreds of calls refresh a stored curve again and again. With a noisy pair of
+    measured points (T(2) above T(4)) each refresh used to scale the raw points by the ratio
+    against their nondecreasing fit, which kept the pair's ratio forever and drove points to
+    nonsense (a stored T(4) of 7 ns on the benchmark machine); now the points converge on the
+    observed costs, stay nondecreasing and move at most MAX_REFRESH_FACTOR per call."""
+    import math
+
+    from hf_polybasic.costs import CostCurve, CostEstimate
+    from hf_polybasic.costs.curve import nondecreasing
+    from hf_polybasic.costs.store import MAX_REFRESH_FACTOR
+
+    model = make_target("llama", seed=3)
+    truth = {1: 0.10, 2: 0.11, 4: 0.12, 8: 0.15, 16: 0.20}
+    measured = CostCurve(points={1: 0.10, 2: 0.40, 4: 0.001, 8: 0.15, 16: 0.20})
+    store = CostCurves(None, measure=lambda *args, **kwargs: measured)
+    curve = store.curve_for(model)
+    for call in range(30):
+        before = dict(curve.points)
+        estimate = CostEstimate(curve)
+        for tokens in (1, 2, 3, 4, 5, 8, 12, 16) * 8:
+            estimate.observe(tokens, truth[min(truth, key=lambda k: abs(math.log(k) - math.log(tokens)))])
+        store.refresh(model, estimate)
+        ks = sorted(curve.points)
+        assert all(curve.points[a] <= curve.points[b] * (1 + 1e-9) for a, b in zip(ks, ks[1:]))
+        smooth = dict(zip(ks, nondecreasing([before[k] for k in ks])))  # what the predictions used
+        assert all(1 / MAX_REFRESH_FACTOR - 1e-9 <= curve.points[k] / smooth[k] <= MAX_REFRESH_FACTOR + 1e-9 for k in ks)
+    for k, seconds in truth.items():
+        assert curve.points[k] == pytest.approx(seconds, rel=0.15)

@@ -24,9 +24,12 @@ from pathlib import Path
 import torch
 
 from ..timing import DEFAULT_CLOCK, Clock
-from .curve import CostCurve
+from .curve import CostCurve, nondecreasing
 from .estimate import CostEstimate
 from .measure import cost_key, measure_curve
+
+# the most a call's observations move a stored point (either way)
+MAX_REFRESH_FACTOR = 2.0
 
 log = logging.getLogger("hf_polybasic")
 
@@ -113,8 +116,13 @@ class CostCurves:
 
     def refresh(self, model: torch.nn.Module, estimate: CostEstimate) -> None:
         """Move the stored curve towards what ``estimate`` saw during a call (each point by its
-        observed / measured ratio, weighted by how many forwards the call made), so the next call
-        starts from today's costs."""
+        observed / predicted ratio, weighted by how many forwards the call made, at most a factor
+        `MAX_REFRESH_FACTOR` per call), so the next call starts from today's costs.
+
+        The ratios are against the curve's predictions, which come from its points made
+        nondecreasing (`CostCurve.seconds`); so the nondecreasing points are what gets scaled. Scaling
+        the raw points instead kept any noisy pair (T(2) above T(4)) in its ratio forever, and call
+        after call of a benchmark drove such points to nonsense (a stored T(4) of 7 ns)."""
         if estimate.observed == 0:
             return
         key = self._key(model)
@@ -123,8 +131,12 @@ class CostCurves:
             if curve is None or curve is not estimate.curve:
                 return
             weight = min(1.0, estimate.observed / 50)
-            factors = {k: estimate.scale(k) ** weight for k in curve.points}
-            curve.points = {k: v * factors[k] for k, v in curve.points.items()}
+            bound = math.log(MAX_REFRESH_FACTOR)
+            factors = {k: math.exp(min(max(weight * math.log(estimate.scale(k)), -bound), bound))
+                       for k in curve.points}
+            ks = sorted(curve.points)
+            smooth = dict(zip(ks, nondecreasing([curve.points[k] for k in ks])))
+            curve.points = {k: smooth[k] * factors[k] for k in ks}
             curve.observations += estimate.observed
             if max(abs(math.log(f)) for f in factors.values()) > 0.05:
                 self._save(key, curve)
