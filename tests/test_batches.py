@@ -19,15 +19,29 @@ from hf_polybasic.testing import EOS, PAD, prompt
 CONFIG = hp.PolybasicConfig(num_draft_tokens=3, block_threshold=4, schedule="constant")
 
 
-def left_padded(prompts):
-    """input_ids and attention_mask of left-padded prompts (1-D tensors)."""
-    width = max(p.shape[0] for p in prompts)
+def left_padded(prompts, width: int | None = None):
+    """input_ids and attention_mask of left-padded prompts (1-D tensors), ``width`` wide (default:
+    the longest prompt)."""
+    width = max(p.shape[0] for p in prompts) if width is None else width
     ids = torch.full((len(prompts), width), PAD)
     mask = torch.zeros(len(prompts), width, dtype=torch.long)
     for row, p in enumerate(prompts):
         ids[row, width - p.shape[0] :] = p
         mask[row, width - p.shape[0] :] = 1
     return ids, mask
+
+
+def batch_equals_plain_and_rows_alone(target, assistants, prompts, ids, mask, options):
+    """Decode the left-padded batch through the chain; assert it equals plain batched `generate` and
+    each row equals the row generated alone. Returns the chain's output (with its statistics)."""
+    plain = target.generate(ids, attention_mask=mask, **options)
+    out = target.generate(ids, attention_mask=mask, custom_generate=hp.generate, assistant_models=assistants,
+                          polybasic_config=CONFIG, return_dict_in_generate=True, **options)
+    assert torch.equal(out.sequences, plain)
+    for row, p in enumerate(prompts):
+        alone = target.generate(p[None], **options)[0, p.shape[0] :]
+        assert torch.equal(out.sequences[row, ids.shape[1] : ids.shape[1] + alone.shape[0]], alone)
+    return out
 
 
 @pytest.mark.parametrize("depth", [2, 3, 4])
@@ -40,13 +54,7 @@ def test_every_row_of_a_batch_equals_plain_generate_and_the_row_alone(depth, row
                             pad_token_id=PAD)
     eos = int(plain[0, ids.shape[1] + 9])  # a token row 0 produces mid-output: an EOS there, mid-block
     options = dict(do_sample=False, max_new_tokens=24, eos_token_id=[eos, EOS], pad_token_id=PAD)
-    plain = target.generate(ids, attention_mask=mask, **options)
-    out = target.generate(ids, attention_mask=mask, custom_generate=hp.generate, assistant_models=assistants,
-                          polybasic_config=CONFIG, return_dict_in_generate=True, **options)
-    assert torch.equal(out.sequences, plain)
-    for row, p in enumerate(prompts):
-        alone = target.generate(p[None], **options)[0, p.shape[0] :]
-        assert torch.equal(out.sequences[row, ids.shape[1] : ids.shape[1] + alone.shape[0]], alone)
+    out = batch_equals_plain_and_rows_alone(target, assistants, prompts, ids, mask, options)
     stats = out.polybasic_stats
     assert_every_level_took_part(stats, rejections=False, acceptances=False)
     # batched verification ran: each target forward verified several rows
@@ -398,13 +406,7 @@ def test_every_row_of_a_hybrid_batch_equals_plain_generate_and_the_row_alone(arc
     options = dict(do_sample=False, max_new_tokens=20, eos_token_id=EOS, pad_token_id=PAD)
     plain = target.generate(ids, attention_mask=mask, **options)
     options["eos_token_id"] = [int(plain[2, ids.shape[1] + 8]), EOS]  # a token row 2 emits mid-output
-    plain = target.generate(ids, attention_mask=mask, **options)
-    out = target.generate(ids, attention_mask=mask, custom_generate=hp.generate, assistant_models=assistants,
-                          polybasic_config=CONFIG, return_dict_in_generate=True, **options)
-    assert torch.equal(out.sequences, plain)
-    for row, p in enumerate(prompts):
-        alone = target.generate(p[None], **options)[0, p.shape[0] :]
-        assert torch.equal(out.sequences[row, ids.shape[1] : ids.shape[1] + alone.shape[0]], alone)
+    out = batch_equals_plain_and_rows_alone(target, assistants, prompts, ids, mask, options)
     assert_every_level_took_part(out.polybasic_stats, rejections=False, acceptances=False)
 
 

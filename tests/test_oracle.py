@@ -37,6 +37,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, Phase, assume, given, note, seed, settings
 from hypothesis import strategies as st
+from test_batches import left_padded
 from transformers import StoppingCriteriaList, StopStringCriteria
 
 import hf_polybasic as hp
@@ -105,7 +106,7 @@ def test_each_tiny_architecture_is_what_it_claims(arch, oracle_models):
         (copy.get_output_embeddings().weight is copy.get_input_embeddings().weight) == tied for copy in copies)
 
     rows = [prompt(length, seed=40 + length)[0] for length in (3, 9, 6, 12)]
-    ids, mask = _left_padded(rows, 12)
+    ids, mask = left_padded(rows, 12)
     options = dict(do_sample=False, max_new_tokens=16, eos_token_id=None, pad_token_id=PAD)
     batched = target.generate(ids, attention_mask=mask, **options)[:, 12:]
     for index, row in enumerate(rows):
@@ -326,15 +327,6 @@ class Resolved:
     budget_options: Callable[[int], dict]  # a row's padding -> its length budget (max_new_tokens or max_length)
 
 
-def _left_padded(rows: list[torch.LongTensor], width: int):
-    ids = torch.full((len(rows), width), PAD)
-    mask = torch.zeros(len(rows), width, dtype=torch.long)
-    for index, row in enumerate(rows):
-        ids[index, width - row.shape[0] :] = row
-        mask[index, width - row.shape[0] :] = 1
-    return ids, mask
-
-
 def _picked(reference: list[list[int]], pick: Pick) -> list[int] | None:
     """The tokens at ``pick`` in a greedy reference (each row's new tokens), or None if it has none."""
     tokens = reference[pick.row % len(reference)]
@@ -347,7 +339,7 @@ def _picked(reference: list[list[int]], pick: Pick) -> list[int] | None:
 def resolve(case: Case, models: tuple) -> Resolved:
     target, *copies = models
     rows = [prompt(length, seed=seed)[0] for length, seed in case.prompts]
-    ids, mask = _left_padded(rows, case.width)
+    ids, mask = left_padded(rows, case.width)
     chain = [copies[index - 1] for index in case.copies]
     if case.bottom == "lookup":
         chain.append(PromptLookup(num_tokens=case.lookup_tokens))
