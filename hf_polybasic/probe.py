@@ -20,7 +20,6 @@ layers (`hf_polybasic.compat.windowed_layers`).
 
 from __future__ import annotations
 
-import warnings
 import threading
 import weakref
 
@@ -28,6 +27,7 @@ import torch
 
 from . import compat
 from .cache import CachedModel, check_rollback_support, input_vocabulary_size, model_label
+from .vocab_head import dynamic_int8_type
 
 # A probe's logits count as different from the reference when they are off by more than a share of
 # the reference's largest logit (`TOLERANCE`, by the model's dtype: the rounding of a forward over a
@@ -77,10 +77,7 @@ def _tolerance(model: torch.nn.Module) -> float:
 
 def _null_share(model: torch.nn.Module) -> float:
     """`DYNAMIC_NULL_SHARE` for a model with dynamically quantized linear layers, else `NULL_SHARE`."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        from torch.ao.nn.quantized.dynamic import Linear as DynamicLinear
-    dynamic = any(isinstance(module, DynamicLinear) for module in model.modules())
+    dynamic = any(isinstance(module, dynamic_int8_type()) for module in model.modules())
     return DYNAMIC_NULL_SHARE if dynamic else NULL_SHARE
 
 

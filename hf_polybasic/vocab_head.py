@@ -64,7 +64,8 @@ NOTHING_TO_SAMPLE = (
 )
 
 
-def _dynamic_int8_type() -> type:
+def dynamic_int8_type() -> type:
+    """PyTorch's dynamically quantized int8 ``Linear`` class (imported without its deprecation warning)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
         from torch.ao.nn.quantized.dynamic import Linear as DynamicLinear
@@ -138,7 +139,7 @@ class _Int8Rows:
 
     def build(self, rows: tuple):
         values, scales, zeros, bias = rows
-        layer = _dynamic_int8_type()(self.in_features, values.shape[0], bias_=bias is not None)
+        layer = dynamic_int8_type()(self.in_features, values.shape[0], bias_=bias is not None)
         layer.version = self.version  # the same kernel flags (reduce_range) as the original
         layer.set_weight_bias(torch._make_per_channel_quantized_tensor(values, scales, zeros, 0), bias)
         return layer.forward
@@ -178,7 +179,7 @@ def _row_source(head: torch.nn.Module, embedding: torch.Tensor | None):
         return _FloatRows(head.weight.detach(), None if head.bias is None else head.bias.detach())
     if isinstance(head, PackedLinear):
         return _PackedRows(head, embedding)
-    if isinstance(head, _dynamic_int8_type()) and head._packed_params.dtype == torch.qint8:
+    if isinstance(head, dynamic_int8_type()) and head._packed_params.dtype == torch.qint8:
         return _Int8Rows(head, embedding)
     raise TypeError(
         f"restricted_vocabulary: the output layer is a {type(head).__name__}; supported are float nn.Linear, "
@@ -363,7 +364,7 @@ def drafting_view(model: torch.nn.Module, keep: int) -> torch.nn.Module | None:
     width = getattr(head, "out_features", None)
     if head is None or width is None or width < 2 * keep or model._forward_hooks or model._forward_pre_hooks:
         return None
-    if not (type(head) is torch.nn.Linear or isinstance(head, (PackedLinear, _dynamic_int8_type()))):
+    if not (type(head) is torch.nn.Linear or isinstance(head, (PackedLinear, dynamic_int8_type()))):
         return None
     views = getattr(_views, "by_model", None)
     if views is None:
