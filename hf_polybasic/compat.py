@@ -95,17 +95,61 @@ except ImportError:  # pragma: no cover - older releases
 HAS_PAST_RECORDING = hasattr(DynamicSlidingWindowLayer, "activate_past_recording")
 
 
+def _recording_sliding_layer_shows_only_its_window() -> bool:
+    """Whether a sliding layer that records its past hands attention only the states its mask
+    describes (``sliding_window - 1`` + the new tokens), however many it has recorded since its last
+    ``crop``. transformers 5.15 - 5.17 return every recorded state, while the mask
+    (``get_mask_sizes``) still advertises the window: a chain, which feeds several forwards between
+    two crops, crashes there ("size of tensor a (13) must match ... (12)"); 5.18 returns the window
+    (PR #48280). Checked on a tiny layer: record, feed 4 tokens, then 1, and count what comes back."""
+    if not HAS_PAST_RECORDING:
+        return False
+    window = 3
+    layer = DynamicSlidingWindowLayer(sliding_window=window)
+    layer.activate_past_recording()
+    states = torch.zeros(1, 1, 4, 2)
+    layer.update(states, states)
+    keys, _ = layer.update(states[:, :, :1], states[:, :, :1])
+    return keys.shape[-2] == window - 1 + 1
+
+
+# Whether our caches keep sliding layers (recording their past so a rollback can reach across rounds):
+# transformers >= 5.18. Before 5.15 a sliding layer cannot record its past, and in 5.15 - 5.17 a
+# recording one breaks the window's mask (`_recording_sliding_layer_shows_only_its_window`); there,
+# our caches use full layers in their place (the model's masks apply the window whatever the layer keeps).
+SLIDING_LAYERS_ROLL_BACK = _recording_sliding_layer_shows_only_its_window()
+
+
+def _full_layer_for(layer):
+    """A fresh full-attention layer to stand in for the sliding layer ``layer`` (same recurrent
+    states where it also holds some), or None for a sliding kind we do not know."""
+    if type(layer) is DynamicSlidingWindowLayer:
+        return DynamicLayer()
+    if type(layer).__name__ == "LinearAttentionAndSlidingWindowAttentionLayer":
+        from transformers.cache_utils import LinearAttentionAndFullAttentionLayer
+
+        return LinearAttentionAndFullAttentionLayer(number_of_states=layer.number_of_states)
+    return None
+
+
 def new_dynamic_cache(model: torch.nn.Module) -> DynamicCache:
-    """A fresh `DynamicCache` for ``model``: laid out by its config (sliding layers where it says so)
-    where sliding layers can record their past (transformers >= 5.15); before that, full layers
-    only: a sliding layer there drops what leaves its window, which a rollback may need, while the
-    model's attention masks apply the window whatever the layer keeps. A model with recurrent layers
-    (hybrids, transformers >= 5.15) always gets the config's layout: its recurrent layers need their
-    own cache layers."""
+    """A fresh `DynamicCache` for ``model``, laid out by its config (sliding layers where it says so,
+    recurrent layers of hybrid models) where sliding layers can roll back (`SLIDING_LAYERS_ROLL_BACK`,
+    transformers >= 5.18). Before that, full layers stand in for the sliding ones: a sliding layer
+    there drops what leaves its window (< 5.15) or returns more states than the mask expects
+    (5.15 - 5.17), while the model's attention masks apply the window whatever the layer keeps."""
+    if SLIDING_LAYERS_ROLL_BACK:
+        return DynamicCache(config=model.config.get_text_config(decoder=True))
+    if not HAS_PAST_RECORDING:  # < 5.15: laid out by config only for hybrids (their recurrent layers)
+        laid_out = DynamicCache(config=model.config.get_text_config(decoder=True))
+        return laid_out if recurrent_layer_indices(laid_out) else DynamicCache()
     laid_out = DynamicCache(config=model.config.get_text_config(decoder=True))
-    if HAS_PAST_RECORDING or recurrent_layer_indices(laid_out):
-        return laid_out
-    return DynamicCache()
+    for index, layer in enumerate(laid_out.layers):
+        if isinstance(layer, DynamicSlidingWindowLayer):
+            full = _full_layer_for(layer)
+            if full is not None:
+                laid_out.layers[index] = full
+    return laid_out
 
 
 def is_dynamic_cache(cache) -> bool:
@@ -151,33 +195,41 @@ def windowed_layers(model: torch.nn.Module) -> list[tuple[int, str]]:
 def replaceable_empty_cache(cache, made_by_generate: bool) -> bool:
     """Whether ``cache`` is an empty one a chain cannot roll back, which a fresh `new_dynamic_cache`
     replaces: one that `generate` built for ``cache_implementation`` (static, hybrid, quantized; some
-    hub configs set it), or, before transformers 5.15, one with sliding-window layers (they cannot
-    record their past there). A cache the caller built stays theirs: it is used or refused."""
+    hub configs set it), or, before transformers 5.18, one with sliding-window layers (they cannot
+    roll back there: `SLIDING_LAYERS_ROLL_BACK`). A cache the caller built stays theirs: it is used or
+    refused."""
     if cached_tokens(cache) != 0:
         return False
     if not is_dynamic_cache(cache):
         return made_by_generate
-    return not HAS_PAST_RECORDING and any(
+    return not SLIDING_LAYERS_ROLL_BACK and any(
         isinstance(layer, DynamicSlidingWindowLayer) for layer in getattr(cache, "layers", ())
     )
 
 
 def record_past_states(cache) -> None:
     """Make sliding-window layers keep the states that leave their window until `restrict_sliding_layers`,
-    so a rollback can reach back across several rounds (transformers' ``activate_past_recording``).
+    so a rollback can reach back across several rounds (transformers' ``activate_past_recording``;
+    recurrent layers keep their convolution states' past the same way).
 
-    Before transformers 5.15 there is no such recording: caches we build have no sliding layers
-    there (`new_dynamic_cache`), and a cache passed in with one is refused with a clear error."""
+    Where sliding layers cannot roll back (`SLIDING_LAYERS_ROLL_BACK`: before transformers 5.18),
+    caches we build have none (`new_dynamic_cache`), and a cache passed in with one is refused with a
+    clear error naming the release to install."""
+    if not SLIDING_LAYERS_ROLL_BACK:
+        sliding = [i for i, layer in enumerate(cache.layers) if isinstance(layer, DynamicSlidingWindowLayer)]
+        if sliding:
+            reason = (
+                "cannot record the states that leave their window"
+                if not HAS_PAST_RECORDING
+                else "hands attention more states than its mask expects once it records them (fixed in 5.18)"
+            )
+            raise ValueError(
+                f"the cache passed in (past_key_values) has sliding-window layers ({len(sliding)}, first: {sliding[0]}), "
+                f"which transformers {TRANSFORMERS_VERSION} cannot roll back across rounds (a sliding layer there "
+                f"{reason}); continue without past_key_values, or install transformers >= 5.18"
+            )
     if HAS_PAST_RECORDING:
         cache.activate_past_recording()
-        return
-    sliding = [i for i, layer in enumerate(cache.layers) if isinstance(layer, DynamicSlidingWindowLayer)]
-    if sliding:
-        raise ValueError(
-            f"the cache passed in (past_key_values) has sliding-window layers ({len(sliding)}, first: {sliding[0]}), "
-            f"which transformers {TRANSFORMERS_VERSION} cannot roll back across rounds; continue without "
-            "past_key_values, or upgrade to transformers >= 5.15"
-        )
 
 
 def stop_recording_past_states(cache) -> None:

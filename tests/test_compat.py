@@ -26,15 +26,58 @@ def test_new_cache_has_sliding_layers_where_the_config_says_and_is_dynamic():
     cache = compat.new_dynamic_cache(model)
     assert compat.is_dynamic_cache(cache)
     kinds = [isinstance(layer, DynamicSlidingWindowLayer) for layer in cache.layers]
-    if compat.HAS_PAST_RECORDING:
+    if compat.SLIDING_LAYERS_ROLL_BACK:
         assert kinds == [layer == "sliding_attention" for layer in model.config.layer_types]
-    else:  # transformers < 5.15: full layers only (sliding ones could not be rolled back)
+    else:  # transformers < 5.18: full layers only (sliding ones could not be rolled back)
         assert not any(kinds)
     assert compat.unrollable_layer(cache) is None
 
 
+def _sliding_layer_hands_attention_only_its_window() -> bool:
+    """What the layer of the installed release does: record, 4 tokens, then 1; count what it returns."""
+    layer = DynamicSlidingWindowLayer(sliding_window=3)
+    layer.activate_past_recording()
+    states = torch.zeros(1, 1, 4, 2)
+    layer.update(states, states)
+    return layer.update(states[:, :, :1], states[:, :, :1])[0].shape[-2] == 3
+
+
+def test_sliding_layers_roll_back_where_a_recording_layer_returns_its_window_only():
+    """transformers 5.15 - 5.17: a recording sliding layer returns every recorded state (the mask
+    expects the window); 5.18 returns the window. Checked on the installed release's layer."""
+    if not compat.HAS_PAST_RECORDING:
+        assert not compat.SLIDING_LAYERS_ROLL_BACK
+        return
+    assert compat.SLIDING_LAYERS_ROLL_BACK == _sliding_layer_hands_attention_only_its_window()
+    known = {"5.15": False, "5.16": False, "5.17": False}.get(
+        f"{compat.TRANSFORMERS_VERSION.major}.{compat.TRANSFORMERS_VERSION.minor}", True
+    )
+    assert compat.SLIDING_LAYERS_ROLL_BACK == known
+
+
+@pytest.mark.parametrize(("arch", "window"), [("mistral", 12), ("gemma2", 10)])
+def test_a_three_level_sliding_window_chain_decodes_past_its_window_exactly(arch, window):
+    """Issue 31: on transformers 5.15 - 5.17 this crashed once the prompt and drafts passed the
+    window ("size of tensor a (13) must match ... (12)"): the intermediate level's recording
+    sliding layers handed attention more states than the mask describes."""
+    import hf_polybasic as hp
+    from hf_polybasic.testing import tiny_chain
+
+    chain = tiny_chain(arch, depth=3, sliding_window=window)
+    ids = prompt(7)
+    reference = chain[0].generate(ids, do_sample=False, max_new_tokens=40)
+    out = chain[0].generate(
+        ids, do_sample=False, max_new_tokens=40, custom_generate=hp.generate, assistant_models=chain[1:],
+        polybasic_config=hp.PolybasicConfig(schedule="constant", num_draft_tokens=4),
+    )
+    assert torch.equal(out, reference)
+    for model in chain:  # the caches we build hold sliding layers only where they can roll back
+        layers = compat.new_dynamic_cache(model).layers
+        assert any(isinstance(layer, DynamicSlidingWindowLayer) for layer in layers) == compat.SLIDING_LAYERS_ROLL_BACK
+
+
 def test_full_layers_at_sliding_attention_layers_give_the_same_logits():
-    """What caches are made of before transformers 5.15: the model's masks apply the window."""
+    """What caches are made of before transformers 5.18: the model's masks apply the window."""
     from transformers import DynamicCache
 
     model = make_target("gemma3", seed=6)
@@ -46,19 +89,19 @@ def test_full_layers_at_sliding_attention_layers_give_the_same_logits():
     torch.testing.assert_close(stepped, _full_logits(model, ids)[9:], rtol=1e-4, atol=1e-4)
 
 
-def test_a_passed_in_sliding_cache_is_refused_where_it_cannot_record_its_past(monkeypatch):
+def test_a_passed_in_sliding_cache_is_refused_where_it_cannot_roll_back(monkeypatch):
     from transformers import DynamicCache
 
     model = make_target("gemma3", seed=1)
     sliding = DynamicCache(config=model.config.get_text_config(decoder=True))
-    monkeypatch.setattr(compat, "HAS_PAST_RECORDING", False)
-    with pytest.raises(ValueError, match="past_key_values.*sliding-window layers.*5.15"):
+    monkeypatch.setattr(compat, "SLIDING_LAYERS_ROLL_BACK", False)
+    with pytest.raises(ValueError, match="past_key_values.*sliding-window layers.*install transformers >= 5.18"):
         compat.record_past_states(sliding)
     compat.record_past_states(DynamicCache())  # full layers: nothing to record
     assert compat.replaceable_empty_cache(sliding, made_by_generate=True)  # the empty one generate makes is replaced
     model(prompt(3), past_key_values=sliding, use_cache=True)
     assert not compat.replaceable_empty_cache(sliding, made_by_generate=True)  # a filled one is not (and is refused above)
-    monkeypatch.setattr(compat, "HAS_PAST_RECORDING", True)
+    monkeypatch.setattr(compat, "SLIDING_LAYERS_ROLL_BACK", True)
     assert not compat.replaceable_empty_cache(DynamicCache(config=model.config.get_text_config(decoder=True)), True)
 
 
@@ -89,7 +132,7 @@ def test_removing_tokens_beyond_the_window_and_refeeding_reproduces_a_full_forwa
     torch.testing.assert_close(refed, _full_logits(model, ids)[5:], rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.skipif(not compat.HAS_PAST_RECORDING, reason="transformers < 5.15: our caches have no sliding layers")
+@pytest.mark.skipif(not compat.SLIDING_LAYERS_ROLL_BACK, reason="transformers < 5.18: our caches have no sliding layers")
 def test_restricting_sliding_layers_bounds_them_to_the_window_and_skips_empty_layers():
     model = make_target("gemma3", seed=4)
     window = model.config.sliding_window
