@@ -202,7 +202,8 @@ class CachedModel:
             positions = torch.arange(start, start + fed.shape[0], device=self.device).unsqueeze(0)
             forward = self.model if self.states is None else self.states.forward(self.model)  # hybrid model
             outputs = forward(
-                input_ids=inputs, position_ids=positions, past_key_values=self.cache, use_cache=True, **kwargs
+                input_ids=inputs, position_ids=positions, use_cache=True,
+                **{compat.cache_argument(self.model): self.cache}, **kwargs
             )
             self._slots[0].extend(range(start, start + fed.shape[0]))
         return outputs.logits[0, -num_positions:, : self.vocab_limit].float()
@@ -229,7 +230,7 @@ class CachedModel:
         self._valid = torch.cat([self._valid, new_valid.to(self.device)], dim=1)
         outputs = self.model(
             input_ids=inputs, position_ids=positions.to(self.device),
-            attention_mask=self._valid.long(), past_key_values=self.cache, use_cache=True, **kwargs,
+            attention_mask=self._valid.long(), use_cache=True, **{compat.cache_argument(self.model): self.cache}, **kwargs,
         )
         logits = {
             row: outputs.logits[self._batch_index[row], -n:, : self.vocab_limit].float() for row, n in num_positions.items()
@@ -261,7 +262,7 @@ class CachedModel:
         valid = valid.to(self.device)
         with timed(self.clock):
             self.model(input_ids=inputs, position_ids=positions.to(self.device),
-                       attention_mask=valid.long(), past_key_values=self.cache, use_cache=True, **kwargs)
+                       attention_mask=valid.long(), use_cache=True, **{compat.cache_argument(self.model): self.cache}, **kwargs)
             synchronize(self.cuda_devices)
         self.forward_passes += 1
         self.cache.batch_repeat_interleave(repeats)

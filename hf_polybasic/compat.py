@@ -16,7 +16,8 @@ topic:
   ``recurrent_states``, ``has_previous_state``, ``conv_kernel_size`` fields of transformers'
   linear-attention cache layers; which layer code continues a state over several tokens);
   `cache_argument`, `takes_position_ids`, `config_layer_types` (how a model takes its cache and
-  positions, its config's ``layer_types``);
+  positions, its config's ``layer_types``); `given_cache`, `OUTPUT_CACHE_FIELD` (what `generate` and its
+  output call the cache: ``cache`` from transformers 5.24 on);
 * models: `accepts_logits_to_keep`, `is_stateful`;
 * generate: `streamer_of_calling_generate` (the caller's frame), `prepared_pad_token_id`
   (``GenerationConfig._pad_token_tensor``), `mark_as_user_config` (``_from_model_config``);
@@ -49,7 +50,7 @@ from packaging.version import Version
 from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
 from transformers.generation import logits_process as lp
 
-TESTED_TRANSFORMERS = (Version("4.57.0"), Version("5.24.0"))  # [low, high): README, "Tested versions"
+TESTED_TRANSFORMERS = (Version("4.57.0"), Version("5.25.0"))  # [low, high): README, "Tested versions"
 TRANSFORMERS_VERSION = Version(transformers.__version__)
 
 
@@ -392,11 +393,42 @@ def _forward_parameters(model_class: type) -> frozenset[str]:
     return frozenset(inspect.signature(model_class.forward).parameters)
 
 
+# transformers 5.24 renamed a model's and `generate`'s cache argument to ``cache`` (``past_key_values``
+# and ``cache_params`` stay as deprecated aliases that warn): `generate`'s model_kwargs hold it as
+# ``cache``, forwards take ``cache=`` and `GenerateDecoderOnlyOutput` has a ``cache`` field.
+try:
+    from transformers.generation import GenerateDecoderOnlyOutput as _GenerateOutput
+
+    CACHE_IS_CALLED_CACHE = "cache" in getattr(_GenerateOutput, "__dataclass_fields__", {})
+except ImportError:  # pragma: no cover
+    CACHE_IS_CALLED_CACHE = False
+
+# the names under which `generate`'s model_kwargs may hold the caller's cache, newest first
+# (``cache_params``: the cache of a model without attention layers, Mamba, before 5.24)
+CACHE_KWARGS = ("cache", "past_key_values", "cache_params")
+# the field of `GenerateDecoderOnlyOutput` that returns the cache (``past_key_values`` before 5.24;
+# 5.24 keeps ``past_key_values`` as a read-only alias of ``cache``)
+OUTPUT_CACHE_FIELD = "cache" if CACHE_IS_CALLED_CACHE else "past_key_values"
+
+
+def given_cache(model_kwargs: Mapping[str, Any]):
+    """The cache the caller passed to `generate` (under any of `CACHE_KWARGS`), or None."""
+    for name in CACHE_KWARGS:
+        if model_kwargs.get(name) is not None:
+            return model_kwargs[name]
+    return None
+
+
 def cache_argument(model) -> str:
-    """The name under which ``model.forward`` takes its cache: ``past_key_values``, or ``cache_params``
-    for the pure state-space models of transformers 5.x (Mamba, Mamba-2, FalconMamba)."""
+    """The name under which ``model.forward`` takes its cache: ``cache`` (transformers >= 5.24, every
+    model), ``past_key_values`` (before), or ``cache_params`` for the pure state-space models of
+    transformers 5.0 - 5.23 (Mamba, Mamba-2, FalconMamba). A forward that names none of them (``**kwargs``)
+    gets the release's own name."""
     parameters = _forward_parameters(type(model))
-    return "cache_params" if "cache_params" in parameters and "past_key_values" not in parameters else "past_key_values"
+    for name in ("cache", "past_key_values", "cache_params") if CACHE_IS_CALLED_CACHE else ("past_key_values", "cache_params"):
+        if name in parameters:
+            return name
+    return "cache" if CACHE_IS_CALLED_CACHE else "past_key_values"
 
 
 def takes_position_ids(model) -> bool:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 from transformers.generation import GenerateDecoderOnlyOutput
 
-from .compat import prepared_pad_token_id
+from .compat import OUTPUT_CACHE_FIELD, prepared_pad_token_id
 from .engine import RowResult
 from .request import Request
 from .stats import PolybasicStats
@@ -42,8 +42,8 @@ def assemble_output(
         sequences=sequences,
         scores=stack_per_step([r.scores for r in results], input_ids.device) if request.keep_scores else None,
         logits=stack_per_step([r.logits for r in results], input_ids.device) if request.keep_logits else None,
-        past_key_values=request.given_cache if len(results) == 1 else None,
         polybasic_stats=stats,
+        **{OUTPUT_CACHE_FIELD: request.given_cache if len(results) == 1 else None},
     )
 
 

@@ -264,29 +264,27 @@ class StateHistory:
         return cls(cache, indices, any(layer.kind.steps_one_token for layer in recurrent_layers(model)))
 
     def forward(self, model: torch.nn.Module):
-        """How to run a forward of ``model`` over its cache, called as
-        ``forward(input_ids=, position_ids=, past_key_values=, **kwargs)``: the model itself, or a
-        function that passes the cache under the name the model takes (`compat.cache_argument`), drops
-        positions a model without attention does not take, and, for a kind whose transformers code
-        cannot continue a state over several tokens (`LayerKind.steps_one_token`), feeds them one at a
-        time once the cache holds a state."""
-        renamed = compat.cache_argument(model) != "past_key_values"
+        """How to run a forward of ``model`` over its cache, called as ``forward(input_ids=,
+        position_ids=, <cache>=, **kwargs)`` with the cache under the name the model takes
+        (`compat.cache_argument`): the model itself, or a function that drops positions a model
+        without attention does not take, and, for a kind whose transformers code cannot continue a
+        state over several tokens (`LayerKind.steps_one_token`), feeds them one at a time once the
+        cache holds a state."""
         positions = compat.takes_position_ids(model)
-        if not (self.steps_one_token or renamed or not positions):
+        if not (self.steps_one_token or not positions):
             return model
 
-        def call(input_ids, position_ids, past_key_values, **kwargs):
-            kwargs[compat.cache_argument(model)] = past_key_values
+        def call(input_ids, position_ids, **kwargs):
             if positions:
                 kwargs["position_ids"] = position_ids
             return model(input_ids=input_ids, **kwargs)
 
-        def forward(input_ids, position_ids, past_key_values, **kwargs):
+        def forward(input_ids, position_ids, **kwargs):
             if not self.steps_one_token or input_ids.shape[1] == 1 or not compat.holds_recurrent_state(self.cache):
-                return call(input_ids, position_ids, past_key_values, **kwargs)
+                return call(input_ids, position_ids, **kwargs)
             kwargs.pop("logits_to_keep", None)
             logits = [
-                call(input_ids[:, i : i + 1], position_ids[:, i : i + 1], past_key_values, **kwargs).logits
+                call(input_ids[:, i : i + 1], position_ids[:, i : i + 1], **kwargs).logits
                 for i in range(input_ids.shape[1])
             ]
             return SteppedOutput(torch.cat(logits, dim=1))

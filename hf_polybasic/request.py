@@ -24,8 +24,8 @@ from .vocabulary import as_id_list, check_chain_vocabularies
 
 # model_kwargs that `generate` prepares and the engine understands (it recomputes positions per row)
 HANDLED_MODEL_KWARGS = frozenset(
-    {"attention_mask", "past_key_values", "cache_params", "use_cache", "logits_to_keep", "position_ids"}
-)  # cache_params: the cache of a model without attention layers (Mamba), as generate names it
+    {"attention_mask", *compat.CACHE_KWARGS, "use_cache", "logits_to_keep", "position_ids"}
+)  # the cache under every name generate gives it (`compat.CACHE_KWARGS`: ``cache`` from transformers 5.24 on)
 UNSUPPORTED_OUTPUTS = ("output_attentions", "output_hidden_states")
 # the longest draft of the PromptLookup that PolybasicConfig(prompt_lookup=True) adds, under the
 # cost-aware schedule (which shortens it as acceptance says); the other schedules draft K
@@ -102,7 +102,7 @@ def check_request(
     rows = [row.to(model.device) for row in rows]  # decoded where the target runs: moved once, not per forward
     if len(rows) > 1 and streamer is not None:
         raise ValueError("streamers support batch size 1 only (as in transformers); stream one prompt at a time")
-    given_cache = model_kwargs.get("past_key_values", model_kwargs.get("cache_params"))
+    given_cache = compat.given_cache(model_kwargs)
     # generate refuses cache_implementation next to a cache of the caller's: with it set, generate built this one
     made_by_generate = getattr(generation_config, "cache_implementation", None) is not None
     if given_cache is not None and compat.replaceable_empty_cache(given_cache, made_by_generate):

@@ -50,6 +50,7 @@ from typing import Any
 
 import torch
 
+from . import compat
 from .cpu import PackedLinear
 from .modules import module_view
 from .vocabulary import as_id_list
@@ -343,7 +344,7 @@ def _grow_hook(restricted: RestrictedLinear):
         ids = kwargs.get("input_ids", args[0] if args else None)
         if ids is None:
             return
-        cache = kwargs.get("past_key_values")
+        cache = compat.given_cache(kwargs)  # under the name the model takes (`compat.cache_argument`)
         if cache is not None and cache.get_seq_length() == 0:
             restricted.reset()  # a new sequence: S starts again from the ranked and always-kept ids
         restricted.add(ids)

@@ -182,6 +182,35 @@ def test_hybrids_are_refused_by_kind_where_transformers_has_no_shared_recurrent_
         CachedModel(target, compat.new_dynamic_cache(target), role="target")
 
 
+def _forward_cache_name(model) -> str:
+    """The one cache argument ``model.forward`` declares (``cache`` from transformers 5.24 on)."""
+    names = [n for n in ("cache", "past_key_values", "cache_params") if n in inspect.signature(model.forward).parameters]
+    assert len(names) == 1, names
+    return names[0]
+
+
+def test_a_model_is_given_its_cache_under_the_name_its_forward_takes_and_generate_under_any():
+    """transformers 5.24 renamed ``past_key_values`` / ``cache_params`` to ``cache`` (the old names warn):
+    forwards, `generate`'s model_kwargs and its output. Every name is read; the model's own is passed."""
+    from transformers import DynamicCache
+    from transformers.generation import GenerateDecoderOnlyOutput
+
+    llama = make_target("llama", seed=1)
+    name = compat.cache_argument(llama)
+    assert name == _forward_cache_name(llama)
+    assert (name == "cache") == compat.CACHE_IS_CALLED_CACHE == (compat.TRANSFORMERS_VERSION >= compat.Version("5.24"))
+    cache = DynamicCache()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the model's own name: no deprecation warning
+        llama(prompt(3), use_cache=True, **{name: cache})
+    assert cache.get_seq_length() == 3
+    for key in compat.CACHE_KWARGS:
+        assert compat.given_cache({key: cache, "use_cache": True}) is cache
+    assert compat.given_cache({"attention_mask": None}) is None
+    output = GenerateDecoderOnlyOutput(sequences=prompt(3), **{compat.OUTPUT_CACHE_FIELD: cache})
+    assert output.past_key_values is cache  # the field, or from 5.24 on its alias
+
+
 @needs_recurrent_layout
 def test_a_hybrid_cache_has_recurrent_layers_where_the_config_says():
     model = make_target("qwen3_5_text", layers=4)
@@ -209,9 +238,9 @@ def test_a_layer_without_state_is_one_a_rollback_leaves_alone():
 @needs_recurrent_layout
 def test_a_cache_of_recurrent_layers_only_cannot_count_its_tokens():
     model = make_target("mamba2")
-    assert compat.cache_argument(model) == "cache_params" and not compat.takes_position_ids(model)
+    assert compat.cache_argument(model) == _forward_cache_name(model) and not compat.takes_position_ids(model)
     llama = make_target("llama")
-    assert compat.cache_argument(llama) == "past_key_values" and compat.takes_position_ids(llama)
+    assert compat.cache_argument(llama) == _forward_cache_name(llama) and compat.takes_position_ids(llama)
     cache = compat.new_dynamic_cache(model)
     assert not compat.tracks_length(cache) and compat.cached_tokens(cache) == 0
     _feed(model, cache, prompt(4))
@@ -411,13 +440,22 @@ def test_an_untested_release_warns_once(monkeypatch):
     monkeypatch.setattr(compat, "_warned", False)
     monkeypatch.setattr(compat, "TRANSFORMERS_VERSION", Version("4.50.0"))
     assert not compat.transformers_is_tested()
-    with pytest.warns(UserWarning, match="tested with transformers 4.57.0 <= v < 5.24.0; found 4.50.0"):
+    with pytest.warns(UserWarning, match="tested with transformers 4.57.0 <= v < 5.25.0; found 4.50.0"):
         compat.warn_if_untested()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         compat.warn_if_untested()  # once only
     monkeypatch.setattr(compat, "TRANSFORMERS_VERSION", Version("5.14.1"))
     assert compat.transformers_is_tested()
+
+
+def test_the_tested_range_is_the_range_pyproject_admits():
+    import pathlib
+    import re
+
+    text = (pathlib.Path(__file__).parents[1] / "pyproject.toml").read_text()
+    low, high = re.search(r'"transformers>=([0-9.]+),<([0-9.]+)"', text).groups()
+    assert (compat.Version(low), compat.Version(high)) == compat.TESTED_TRANSFORMERS
 
 
 def test_processor_classes_a_release_lacks_are_left_out():

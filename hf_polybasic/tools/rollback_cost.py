@@ -79,7 +79,8 @@ class _Harness:
         inputs = self.tokens[CONTEXT : CONTEXT + count][None]
         positions = torch.arange(CONTEXT, CONTEXT + count)[None]
         started = time.perf_counter()
-        self.model(input_ids=inputs, position_ids=positions, past_key_values=cache, use_cache=True, logits_to_keep=keep)
+        self.model(input_ids=inputs, position_ids=positions, use_cache=True, logits_to_keep=keep,
+                   **{compat.cache_argument(self.model): cache})
         seconds = time.perf_counter() - started
         self._back(count)
         return seconds
@@ -94,7 +95,7 @@ class _Harness:
         self.states.snapshot(CONTEXT)
         inputs = self.tokens[CONTEXT : CONTEXT + forward_tokens][None]
         self.model(input_ids=inputs, position_ids=torch.arange(CONTEXT, CONTEXT + forward_tokens)[None],
-                   past_key_values=self.runner.cache, use_cache=True, logits_to_keep=1)
+                   use_cache=True, logits_to_keep=1, **{compat.cache_argument(self.model): self.runner.cache})
         started = time.perf_counter()
         held = self.states.restore(CONTEXT + kept)
         compat.remove_last_tokens(self.runner.cache, CONTEXT + forward_tokens - held)
