@@ -122,10 +122,17 @@ def chi_square_p_value(counts: np.ndarray, probs: np.ndarray) -> float:
 
 
 def assert_target_could_sample(target, sequences, prompt_length: int, top_k: int) -> None:
-    """Every new token is one the target itself can sample there: among its top-k at that prefix
-    (what top_k leaves possible; a leaked draft of an assistant or a stale cache would break it)."""
+    """Every new token is one the target itself can sample there: its logit is at least the k-th
+    largest at that prefix. That is what transformers' top-k leaves possible (`TopKLogitsWarper`
+    removes only scores below the k-th value, so every id tied with it stays: in bf16 exact ties are
+    common); a leaked draft of an assistant or a stale cache would break it."""
     for row in sequences:
         logits = target(row.unsqueeze(0)).logits[0, prompt_length - 1 : -1]  # row j predicts new token j
-        allowed = logits.topk(top_k, dim=-1).indices
-        new = row[prompt_length:].to(allowed.device)
-        assert bool((allowed == new.unsqueeze(-1)).any(-1).all()), "a sampled token the target gives probability 0"
+        kth = logits.topk(top_k, dim=-1).values[:, -1:]
+        new = row[prompt_length:].to(logits.device)
+        chosen = logits.gather(-1, new.unsqueeze(-1))
+        below = ((chosen < kth) | (chosen == float("-inf"))).squeeze(-1)
+        assert not bool(below.any()), (
+            f"a sampled token the target gives probability 0: new token {int(below.nonzero()[0])} "
+            f"(id {int(new[below][0])}) is below the target's {top_k}-th largest logit there"
+        )
