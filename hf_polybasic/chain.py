@@ -20,13 +20,15 @@ greedy output), for any number of levels, any K and any mu.
 
 from __future__ import annotations
 
+import collections
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from .cache import CachedModel, model_label
-from .compat import new_dynamic_cache
+from .compat import cached_tokens, new_dynamic_cache
 from .config import MAX_BLOCK_THRESHOLD, MAX_DRAFT_TOKENS, PolybasicConfig
 from .costs import CostCurves, CostEstimate
 from .drafters import AddedPromptLookup, Drafter
@@ -34,6 +36,7 @@ from .drafting import DrafterLevel, ModelDrafter, ScheduledRows
 from .processing import DecodingRules, process_positions
 from .protocol import Block, Level, Proposal
 from .schedule import BatchGate, Schedule, make_schedule
+from .static import StaticRunner, static_problem
 from .stats import LevelStats, PolybasicStats
 from .timing import DEFAULT_CLOCK, Clock, timed
 from .verify import greedy_decision, speculative_decision
@@ -286,7 +289,39 @@ class Chain:
                 level.forward_costs = estimate.snapshot()
                 if costs is not None:
                     costs.refresh(runner.model, estimate)
+            if isinstance(runner, StaticRunner):
+                level.runner = "static, compiled" if runner.compiled else "static"
+                level.forward_widths = dict(sorted(collections.Counter(runner.forward_widths).items()))
+                runner.close()
+            elif runner is not None:
+                level.runner = "dynamic"
         return self.stats
+
+
+_warned_runners: set[tuple[str, str]] = set()
+
+
+def make_runner(model, cache, role: str, config: PolybasicConfig, static: bool, capacity: int | None,
+                vocab_limit: int | None = None, clock: Clock = DEFAULT_CLOCK, rows: int = 1):
+    """The runner a model of the chain decodes with: a `StaticRunner` (compiled where
+    `PolybasicConfig.compiles`) when the call asks for a static cache or compiled forwards and the
+    model can (`static_problem`; the cache it would start from is empty), else a `CachedModel` on
+    ``cache`` (with a warning, once per model kind and reason, when static was asked for)."""
+    compiled = config.compiles(model.device)
+    if (static or compiled) and capacity is not None and cache is not None and cached_tokens(cache) == 0:
+        problem = static_problem(model)
+        if problem is None:
+            return StaticRunner(model, role, capacity, vocab_limit, clock, rows, compiled=compiled)
+        key = (model_label(model), problem)
+        if key not in _warned_runners:
+            _warned_runners.add(key)
+            warnings.warn(
+                f"hf_polybasic runs {role} on a dynamic cache" + (", uncompiled" if compiled else "") + f": {problem}. "
+                "The other models of the chain run " + ("compiled " if compiled else "") + "on static caches where they can",
+                UserWarning,
+                stacklevel=6,
+            )
+    return CachedModel(model, cache, role=role, vocab_limit=vocab_limit, clock=clock, rows=rows)
 
 
 def build_chain(
@@ -298,12 +333,16 @@ def build_chain(
     parts: ChainParts = ChainParts(),
     clock: Clock = DEFAULT_CLOCK,
     costs: CostCurves | None = None,
+    static: bool = False,
+    capacity: int | None = None,
 ) -> Chain:
     """The chain M1 > M2 > ... > Mn for the rows of ``rules`` (row -> its `DecodingRules`), with a
     fresh cache for every assistant model and the target's ``target_cache`` (None when
     ``use_cache=False``). Under the cost-aware schedule every model's cost curve comes from ``costs``
     (measured on first use), and each row's schedule prices its tokens with its parent's curve as the
-    rows share it (`BatchShare`)."""
+    rows share it (`BatchShare`). ``static`` (the call asked for a static cache) or compiled forwards
+    (`PolybasicConfig.compile`) run each model that can on a `StaticRunner` of ``capacity`` slots
+    per row (`make_runner`)."""
     rows = sorted(rules)
     count = len(rows)
     names = level_names(target, assistant_models)
@@ -313,10 +352,10 @@ def build_chain(
     greedy_intermediates = config.verification == "greedy"
     do_sample = rules[rows[0]].do_sample
     models = [target, *assistant_models]
-    runners = [CachedModel(target, target_cache, role=f"target {names[0]}", clock=clock, rows=count)] + [
+    runners = [make_runner(target, target_cache, f"target {names[0]}", config, static, capacity, None, clock, count)] + [
         None if isinstance(model, Drafter)
-        else CachedModel(model, new_dynamic_cache(model), role=f"assistant_models[{i}] ({names[i + 1]})",
-                         vocab_limit=vocab, clock=clock, rows=count)
+        else make_runner(model, new_dynamic_cache(model), f"assistant_models[{i}] ({names[i + 1]})", config, static,
+                         capacity, vocab, clock, count)
         for i, model in enumerate(assistant_models)
     ]
     estimates = [None] * len(models)

@@ -158,6 +158,13 @@ def is_dynamic_cache(cache) -> bool:
     return type(cache) is DynamicCache
 
 
+def is_static_cache(cache) -> bool:
+    """A transformers `StaticCache` (of any layout: its layers are preallocated, written in place)."""
+    from transformers.cache_utils import StaticCache
+
+    return isinstance(cache, StaticCache)
+
+
 def unrollable_layer(cache) -> tuple[int, str] | None:
     """(index, class name) of the first layer whose state cannot be cut back (recurrent or linear
     attention), or None."""

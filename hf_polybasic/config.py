@@ -20,6 +20,8 @@ import json
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import torch
+
 from .compat import mark_as_user_config
 from .schedule import SCHEDULES
 
@@ -73,6 +75,12 @@ class PolybasicConfig:
             level above decides every token; docs: Build the levels). Left as given: a model below
             a `PromptLookup`, one with forward hooks of its own (accelerate's offloading), one whose
             output layer is of another kind. None: always the model as given.
+        compile: run every model of the chain that can (`hf_polybasic.static.static_problem`) on a static
+            cache with its forwards compiled by ``torch.compile`` (on a GPU as CUDA graphs, mode
+            ``"reduce-overhead"``): one graph per padded width (`hf_polybasic.static.WIDTHS`), made once
+            per model and reused by later calls. ``"auto"`` (default): for models on a CUDA device;
+            True: everywhere (on the CPU too, without graphs); False: never. A model that cannot keeps
+            the dynamic cache, with a warning naming why. Exact either way (docs: Speed on a GPU).
         measure_costs: under ``"cost_aware"``, measure a model's forward costs on this machine the
             first time it is used (~25 forwards, kept on disk: `hf_polybasic.costs`). False: use
             stored curves only (``hf-polybasic costs`` measures ahead), else the call's own timings;
@@ -85,6 +93,7 @@ class PolybasicConfig:
     schedule: Literal["constant", "heuristic", "cost_aware"] = "cost_aware"
     prompt_lookup: bool = False
     drafter_vocabulary: int | None = 65536
+    compile: bool | Literal["auto"] = "auto"
     measure_costs: bool = True
 
     def __post_init__(self) -> None:
@@ -119,8 +128,16 @@ class PolybasicConfig:
                 f"PolybasicConfig.drafter_vocabulary must be None or an int >= 1 (ids the bottom model drafts from), "
                 f"got {size!r}"
             )
+        if self.compile != "auto" and not isinstance(self.compile, bool):
+            raise ValueError(f"PolybasicConfig.compile must be 'auto', True or False, got {self.compile!r}")
         if not isinstance(self.measure_costs, bool):
             raise ValueError(f"PolybasicConfig.measure_costs must be True or False, got {self.measure_costs!r}")
+
+    def compiles(self, device: torch.device | str) -> bool:
+        """Whether a model on ``device`` runs compiled (``compile``; ``"auto"``: on CUDA devices)."""
+        if self.compile == "auto":
+            return torch.device(device).type == "cuda"
+        return bool(self.compile)
 
     @property
     def last_threshold(self) -> int:

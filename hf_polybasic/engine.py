@@ -33,6 +33,7 @@ from .probe import check_cache, rows_problem
 from .processing import DecodingRules, processors_for_row
 from .request import Request
 from .schedule import BatchGate
+from .static import StaticRunner, capacity_for
 from .stats import PolybasicStats
 from .timing import DEFAULT_CLOCK, Clock, timed
 from .vocabulary import warn_if_levels_disagree
@@ -205,7 +206,8 @@ def _decode_group(target, request, processors, stopping_criteria, parts, clock, 
         prompts[index] = prompt
         max_lengths[index] = request.max_length - removed_padding
     cache = request.caches[group[0]] if len(group) == 1 else request.caches[0]
-    chain = build_chain(target, request.assistants, request.config, rules, cache, parts, clock, costs)
+    chain = build_chain(target, request.assistants, request.config, rules, cache, parts, clock, costs,
+                        static=getattr(request, "static", False), capacity=capacity_for(request.max_length))
     with timed(clock) as span:
         if len(group) > 1 and request.repeats > 1 and _shares_prompts(prompts, request.repeats):
             # num_return_sequences: each prompt is computed once; levels below the target only when the
@@ -216,6 +218,8 @@ def _decode_group(target, request, processors, stopping_criteria, parts, clock, 
                     runner.prefill_repeated(prompts, request.repeats)
         decoded = decode(chain.top, prompts, max_lengths, stopping_criteria, request, chain.gate, clock)
         if request.given_cache is not None and len(group) == 1:  # handed back: a hybrid's may hold fewer tokens
+            if isinstance(chain.runners[0], StaticRunner):  # the target decoded on its own static cache
+                chain.runners[0].copy_into(request.given_cache)
             settle(chain.runners[0], torch.cat([prompts[0], decoded[0].tokens]))
     stats = chain.finish(costs)
     for index, row in enumerate(group):

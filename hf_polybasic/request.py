@@ -50,6 +50,8 @@ class Request:
         keep_scores, keep_logits: collect the target's processed scores / raw logits per token.
         repeats: how many rows each prompt was expanded to (``num_return_sequences``); consecutive
             rows share a prompt.
+        static: the call asked for static caches (``cache_implementation="static"``): every model
+            that can decodes on one (`hf_polybasic.static`).
     """
 
     assistants: list
@@ -66,6 +68,7 @@ class Request:
     keep_scores: bool = False
     keep_logits: bool = False
     repeats: int = 1
+    static: bool = False
 
 
 def check_request(
@@ -95,17 +98,20 @@ def check_request(
     config = resolve_config(polybasic_config, generation_config)
     reject_stateful_processors(logits_processor)
     config.thresholds_for(len(assistants) - 1)  # validates a per-level mu sequence before any work
-    assistants = with_prompt_lookup(with_restricted_drafter(assistants, config), config)
+    given_cache = compat.given_cache(model_kwargs)
+    static = wants_static_cache(generation_config, given_cache)
+    assistants = with_prompt_lookup(with_restricted_drafter(assistants, config, static), config)
 
     rows = row_prompts(input_ids, model_kwargs.get("attention_mask"))
     check_position_ids(model_kwargs.get("position_ids"), rows)
     rows = [row.to(model.device) for row in rows]  # decoded where the target runs: moved once, not per forward
     if len(rows) > 1 and streamer is not None:
         raise ValueError("streamers support batch size 1 only (as in transformers); stream one prompt at a time")
-    given_cache = compat.given_cache(model_kwargs)
     # generate refuses cache_implementation next to a cache of the caller's: with it set, generate built this one
     made_by_generate = getattr(generation_config, "cache_implementation", None) is not None
-    if given_cache is not None and compat.replaceable_empty_cache(given_cache, made_by_generate):
+    if static:  # the chain's static runners keep their own caches; this one holds what is handed back
+        given_cache = new_dynamic_cache(model)
+    elif given_cache is not None and compat.replaceable_empty_cache(given_cache, made_by_generate):
         if not compat.is_dynamic_cache(given_cache):
             warnings.warn(
                 f"hf_polybasic replaces the empty {type(given_cache).__name__} that "
@@ -135,7 +141,21 @@ def check_request(
         keep_scores=return_dict and bool(generation_config.output_scores),
         keep_logits=return_dict and bool(generation_config.output_logits),
         repeats=max(int(generation_config.num_return_sequences or 1), 1),
+        static=static,
     )
+
+
+def wants_static_cache(generation_config, given_cache) -> bool:
+    """Whether the call asks for static caches: ``cache_implementation="static"``, or an empty
+    `StaticCache` of the caller's (a filled one cannot be continued by a chain: a clear error)."""
+    if given_cache is not None and compat.is_static_cache(given_cache):
+        if compat.cached_tokens(given_cache) > 0:
+            raise ValueError(
+                "a pre-filled StaticCache (past_key_values) cannot be continued by hf_polybasic: its models decode on "
+                "caches of their own; pass the whole text, or continue from a DynamicCache"
+            )
+        return True
+    return getattr(generation_config, "cache_implementation", None) == "static"
 
 
 def _target_caches(target, rows: int, use_cache: bool, given) -> list:
@@ -148,13 +168,17 @@ def _target_caches(target, rows: int, use_cache: bool, given) -> list:
     return [new_dynamic_cache(target) for _ in range(rows)]
 
 
-def with_restricted_drafter(assistants: list, config: PolybasicConfig) -> list:
+def with_restricted_drafter(assistants: list, config: PolybasicConfig, static: bool = False) -> list:
     """``assistants`` with the bottom model replaced by its restricted-vocabulary drafting view
     (`PolybasicConfig.drafter_vocabulary`, `hf_polybasic.vocab_head.drafting_view`) where that pays
     and stays exact; otherwise unchanged. Not below an added prompt lookup: a restricted level
-    that verifies must emit a token wherever the processors allow one."""
+    that verifies must emit a token wherever the processors allow one. Not on a static cache or
+    compiled (``static``, `PolybasicConfig.compiles`): the view's output layer grows with the text,
+    which a fixed-shape forward cannot follow."""
     bottom = assistants[-1]
     if config.drafter_vocabulary is None or config.prompt_lookup or isinstance(bottom, Drafter):
+        return assistants
+    if static or config.compiles(bottom.device):
         return assistants
     view = drafting_view(bottom, config.drafter_vocabulary)
     return assistants if view is None else [*assistants[:-1], view]

@@ -35,6 +35,10 @@ class LevelStats:
             schedule's measurements, the level above decoding alone was faster (back-off).
         forward_costs: this model's forward cost on this machine as the cost-aware schedule saw it
             at the end of the call, ``{k: seconds}`` for k tokens scored (None for other schedules).
+        runner: how this model's forwards ran: "dynamic" (a `DynamicCache`), "static" or "static,
+            compiled" (`hf_polybasic.static`); "" for a `Drafter`.
+        forward_widths: on a static runner, ``{padded width: forwards}`` (each width is one shape,
+            one compiled graph); empty otherwise.
     """
 
     name: str
@@ -48,6 +52,8 @@ class LevelStats:
     proposed: int = 0
     paused_rounds: int = 0
     forward_costs: dict[int, float] | None = None
+    runner: str = ""
+    forward_widths: dict[int, int] = field(default_factory=dict)
 
     @contextmanager
     def timed(self, clock: Clock = DEFAULT_CLOCK) -> Iterator[Span]:
@@ -86,6 +92,9 @@ class LevelStats:
         self.proposed += other.proposed
         self.paused_rounds += other.paused_rounds
         self.forward_costs = other.forward_costs or self.forward_costs
+        self.runner = self.runner or other.runner
+        for width, count in other.forward_widths.items():
+            self.forward_widths[width] = self.forward_widths.get(width, 0) + count
 
 
 @dataclass

@@ -50,3 +50,44 @@ def synchronize(devices: Iterable[torch.device]) -> None:
     """Wait until the work queued on each of ``devices`` (CUDA) has run."""
     for device in devices:
         torch.cuda.synchronize(device)
+
+
+class ForwardTimer:
+    """Times forwards for a cost observer (``observe(tokens, seconds, rows)``) without making them wait.
+
+    On the CPU (or under an injected clock) a forward is timed by the clock around it. On a GPU a
+    pair of CUDA events brackets it, and the seconds are read once the events have run (at a later
+    forward, by then the round's decision has been read back anyway): the host keeps queueing work.
+    """
+
+    def __init__(self, device: torch.device, clock: Clock = DEFAULT_CLOCK):
+        self.clock = clock
+        self.events = torch.device(device).type == "cuda" and clock is DEFAULT_CLOCK
+        self._started: float | torch.cuda.Event | None = None
+        self._pending: list[tuple] = []  # (start event, end event, tokens, rows), oldest first
+
+    def start(self) -> None:
+        if self.events:
+            self._started = torch.cuda.Event(enable_timing=True)
+            self._started.record()
+        else:
+            self._started = self.clock()
+
+    def stop(self, tokens: int, rows: int, observer) -> None:
+        """The forward started last has been launched; its cost goes to ``observer`` (None: nobody asks)."""
+        if observer is None:
+            return
+        if not self.events:
+            observer.observe(tokens, self.clock() - self._started, rows=rows)
+            return
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        self._pending.append((self._started, end, tokens, rows))
+        self.flush(observer)
+
+    def flush(self, observer, wait: bool = False) -> None:
+        """Report every forward whose events have run (all of them with ``wait``)."""
+        while self._pending and (wait or self._pending[0][1].query()):
+            start, end, tokens, rows = self._pending.pop(0)
+            end.synchronize()
+            observer.observe(tokens, start.elapsed_time(end) / 1000.0, rows=rows)

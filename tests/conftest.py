@@ -18,7 +18,14 @@ torch.set_num_threads(1)
 from hypothesis import settings  # noqa: E402
 
 import distribution  # noqa: E402
+from hf_polybasic import static  # noqa: E402
 from hf_polybasic.testing import make_chain, make_target  # noqa: E402
+
+# Compiled static runners trace with dynamo (the graphs, their count and their guards are what tests
+# check) but skip inductor's code generation, which takes seconds per graph on a CPU; the one test
+# of the real backend (test_static.py) restores it for models of its own.
+INDUCTOR_COMPILE_OPTIONS = static.compile_options
+static.compile_options = lambda device: {"backend": "eager", "dynamic": False}
 
 settings.register_profile("deterministic", derandomize=True, deadline=None)
 settings.load_profile("deterministic")

@@ -134,10 +134,12 @@ def test_unknown_model_inputs_are_named(chain):
         run(target, chain[1:], token_type_ids=torch.zeros(1, 4, dtype=torch.long))
 
 
-def test_static_cache_cannot_be_rolled_back(chain):
+def test_a_prefilled_static_cache_cannot_be_continued(chain):
     target = chain[0]
-    with pytest.raises(ValueError, match=r"^target M1 LlamaForCausalLM uses a StaticCache.*cannot be rolled back"):
-        run(target, chain[1:], past_key_values=StaticCache(config=target.config, max_cache_len=32))
+    cache = StaticCache(config=target.config, max_cache_len=32)
+    target(torch.tensor([[5, 6, 7]]), past_key_values=cache, use_cache=True)
+    with pytest.raises(ValueError, match=r"^a pre-filled StaticCache \(past_key_values\) cannot be continued"):
+        run(target, chain[1:], past_key_values=cache)
 
 
 def test_quantized_style_cache_layers_are_refused(chain):

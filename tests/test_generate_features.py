@@ -1,6 +1,7 @@
 """Everything users pass to `generate` keeps meaning what it means in plain `generate`."""
 
 import threading
+import warnings
 
 import pytest
 import torch
@@ -273,13 +274,18 @@ def test_repetition_penalty_of_a_left_padded_batch_skips_each_rows_padding(rows,
         assert torch.equal(out[row, width:], alone)
 
 
-def test_a_static_cache_from_cache_implementation_is_replaced_with_a_warning(chain):
+def test_cache_implementation_static_runs_the_chain_static_and_hands_back_its_cache(chain):
+    """``cache_implementation="static"`` is honoured, not ignored: every model decodes on a static cache
+    (`hf_polybasic.static`), without a warning, and the call hands back what plain generate's holds:
+    the output minus its last token (in a `DynamicCache`, which can be continued)."""
     target, *assistants = chain
     ids = prompt(5, seed=14)
     options = dict(do_sample=False, max_new_tokens=10, eos_token_id=None)
-    with pytest.warns(UserWarning, match="replaces the empty StaticCache that cache_implementation='static' made"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
         out = polybasic(target, assistants, ids, cache_implementation="static", return_dict_in_generate=True, **options)
     assert torch.equal(out.sequences, target.generate(ids, **options))
+    assert {level.runner for level in out.polybasic_stats.levels} == {"static"}
     assert type(out.past_key_values).__name__ == "DynamicCache"
     assert out.past_key_values.get_seq_length() == out.sequences.shape[1] - 1
 

@@ -168,6 +168,7 @@ class Case:
     min_p: float | None = None
     verification: str = "auto"  # PolybasicConfig.verification: "greedy" makes sampled intermediate levels argmax
     measure_costs: bool = True  # PolybasicConfig.measure_costs (False: the cost-aware schedule has no curves)
+    runner: str = "dynamic"  # "static": cache_implementation="static"; "compiled": PolybasicConfig(compile=True)
 
     @property
     def rows(self) -> int:
@@ -244,6 +245,7 @@ def _cases(arch: str, do_sample: bool):
             min_p=draw(st.sampled_from([None, None, 0.05])),
             verification=draw(st.sampled_from(["auto", "greedy"])),
             measure_costs=draw(st.sampled_from([True, True, False])),
+            runner=draw(st.sampled_from(["dynamic", "dynamic", "static", "compiled"])),
         )
 
     return draw_case()
@@ -345,7 +347,7 @@ def resolve(case: Case, models: tuple) -> Resolved:
         chain.append(PromptLookup(num_tokens=case.lookup_tokens))
     config = hp.PolybasicConfig(num_draft_tokens=case.k, block_threshold=case.mu, schedule=case.schedule,
                                 prompt_lookup=case.bottom == "added", verification=case.verification,
-                                measure_costs=case.measure_costs)
+                                measure_costs=case.measure_costs, compile=case.runner == "compiled")
 
     def budget_options(padding: int) -> dict:
         """The length budget of a row with ``padding`` pad tokens (the batch's width: padding 0)."""
@@ -422,10 +424,13 @@ def polybasic_generate(target, case: Case, resolved: Resolved):
     options = {**resolved.options, **resolved.budget_options(0)}
     call = dict(assistant_models=resolved.chain, polybasic_config=resolved.config, return_dict_in_generate=True,
                 output_scores=case.output_scores)
+    if case.runner == "static":
+        call["cache_implementation"] = "static"
     if case.do_sample:
         torch.manual_seed(case.seed)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="hf_polybasic decodes this batch row by row")
+        warnings.filterwarnings("ignore", message="hf_polybasic runs .* on a dynamic cache")
         if case.schedule == "cost_aware":
             with simulated_machine(cheap_drafting_costs(target, resolved.chain)) as simulated:
                 if resolved.stop_strings:  # enable() would route to the wall-clock generate: build the criterion
@@ -469,6 +474,8 @@ def check_statistics(case: Case, resolved: Resolved, stats) -> None:
     added = [False] if case.bottom == "added" else []
     is_model = [True] + [isinstance(model, torch.nn.Module) for model in resolved.chain] + added
     assert len(levels) == len(is_model), f"{len(levels)} levels in the statistics, the chain has {len(is_model)}"
+    lines = "; ".join(f"{level.name} ({level.runner}): drafted {level.drafted}, proposed {level.proposed}, verified "
+                      f"{level.verifications}" for level in levels)
     kinds = ["target"] + ["intermediate" if is_model[i] and i < len(levels) - 1 else
                           "model drafter" if is_model[i] else
                           "added PromptLookup" if case.bottom == "added" else "PromptLookup"
@@ -476,8 +483,9 @@ def check_statistics(case: Case, resolved: Resolved, stats) -> None:
     for kind, level in zip(kinds, levels):
         TALLY[f"{kind} proposed"] += level.proposed > 0
         TALLY[f"{kind} drafted to"] += level.drafted > 0
-    lines = "; ".join(f"{level.name}: drafted {level.drafted}, proposed {level.proposed}, verified "
-                      f"{level.verifications}" for level in levels)
+        TALLY[f"runner {level.runner}"] += level.forward_passes > 0
+    if case.runner == "dynamic":
+        assert all(level.runner in ("dynamic", "") for level in levels), f"static runners without asking: {lines}"
     if case.schedule in ("constant", "heuristic") and case.budget >= 2:
         # the first round drafts at every model level (the chain asks each for one token past its room)
         for index in range(1, len(levels)):
@@ -676,5 +684,7 @@ def test_every_kind_of_level_took_part():
     for schedule in SCHEDULES:
         assert TALLY[f"schedule {schedule}"] > 0, f"the {schedule} schedule never ran: {dict(TALLY)}"
     assert sum(TALLY[f"rows {rows}"] for rows in range(2, 6)) > 0, f"no batch ever ran: {dict(TALLY)}"
+    for runner in ("dynamic", "static", "static, compiled"):
+        assert TALLY[f"runner {runner}"] > 0, f"no model ever ran on the {runner} runner: {dict(TALLY)}"
     for arch in ARCHITECTURES:
         assert TALLY[f"arch {arch}"] > 0, f"{arch} never ran an example: {dict(TALLY)}"

@@ -1,0 +1,474 @@
+"""A level's model on a preallocated cache: forwards of a few fixed shapes, so they can be compiled
+(and on a GPU captured as CUDA graphs).
+
+`StaticRunner` serves the same runner protocol as `hf_polybasic.cache.CachedModel`
+(`hf_polybasic.protocol.Runner`): the chain does not know which one it drives.
+
+Layout, per row of the batch: the token at position p lives in slot p of the row's part of a
+preallocated cache ``[rows, heads, capacity, head_dim]`` (`SlotCache`). A forward writes each row's
+new tokens at their own positions (a per-row scatter), so rows of different lengths never need
+realigning, and a query at position p attends to slots ``<= p`` of its row, through a mask built
+from the write positions. Hence:
+
+* **a rollback is free**: a row's length just gets shorter. A slot past a row's length is hidden
+  from every query that can still come before it is written again (the next forward writes the
+  row's tokens from its length on, before its queries attend), as in gpt-fast;
+* **widths are bucketed**: a forward of k tokens per row is padded to the next of `WIDTHS`
+  with trailing pad tokens (their logits dropped, their keys written past the row's length, so
+  never seen). Together with the fixed capacity, a compiled forward meets a handful of shapes:
+  one graph per bucket, captured once.
+
+Which models it takes is checked, not assumed (`static_problem`): attention over one cache layer
+kind without windows, no recurrent state, an attention implementation that takes an explicit
+mask (sdpa, eager), and a probe on a few tokens (rollbacks, two rows of different lengths) whose
+logits must equal full forwards'. Anything else keeps the dynamic runner, with the reason said.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Callable
+
+import torch
+
+from . import compat
+from .cache import input_vocabulary_size, model_label
+from .timing import DEFAULT_CLOCK, Clock, ForwardTimer
+
+# --- transformers internals (to move into compat.py) ---
+from transformers.cache_utils import Cache as _CacheBase, CacheLayerMixin as _CacheLayerBase
+
+
+class compat_static:
+    CacheBase = _CacheBase
+    CacheLayerBase = _CacheLayerBase
+
+    @staticmethod
+    def is_compiling() -> bool:
+        return torch.compiler.is_compiling()
+
+    @staticmethod
+    def decoder_layer_count(model) -> int:
+        return int(model.config.get_text_config(decoder=True).num_hidden_layers)
+
+    @staticmethod
+    def attention_implementation(model) -> str:
+        return str(getattr(model.config, "_attn_implementation", None) or "eager")
+
+
+# Widths a forward is padded to (tokens per row); a wider forward (a prompt's prefill) runs
+# uncompiled at its own width.
+WIDTHS = (1, 2, 4, 8, 16, 32)
+# The capacity of a cache is rounded up to a multiple of this, so calls with similar budgets reuse
+# one cache and one set of compiled graphs.
+CAPACITY_STEP = 256
+
+
+def bucket(width: int, widths: tuple[int, ...] = WIDTHS) -> int:
+    """The smallest of ``widths`` that holds ``width`` tokens, or ``width`` itself beyond the largest."""
+    for size in widths:
+        if size >= width:
+            return size
+    return width
+
+
+def capacity_for(max_length: int, widths: tuple[int, ...] = WIDTHS) -> int:
+    """Slots a row needs to decode up to ``max_length`` tokens (the last forward's padding included),
+    rounded up to `CAPACITY_STEP`."""
+    needed = max_length + max(widths)
+    return -(-needed // CAPACITY_STEP) * CAPACITY_STEP
+
+
+class SlotCache(compat_static.CacheBase):
+    """A transformers `Cache` whose layers keep ``[rows, heads, capacity, dim]`` keys and values and
+    write each new token at the slot `write_slots` ``[rows, width]`` names (set before each forward);
+    every forward attends over all ``capacity`` slots (the mask says which it sees)."""
+
+    def __init__(self, num_layers: int, capacity: int, rows: int):
+        self.capacity, self.rows = capacity, rows
+        self.write_slots: torch.Tensor | None = None  # [rows, width] for the next forward
+        super().__init__(layers=[SlotLayer(self, capacity) for _ in range(num_layers)])
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0  # positions are given with every forward; nothing reads them off this cache
+
+    @property
+    def allocated(self) -> bool:
+        """Whether every layer has its tensors (a first forward allocates them)."""
+        return all(layer.is_initialized for layer in self.layers)
+
+    @property
+    def is_compileable(self) -> bool:
+        return True
+
+
+class SlotLayer(compat_static.CacheLayerBase):
+    """One layer of a `SlotCache` (allocated at its first update, then written in place)."""
+
+    is_compileable = True
+    is_sliding = False
+
+    def __init__(self, owner: SlotCache, capacity: int):
+        super().__init__()
+        self.owner = weakref.proxy(owner)
+        self.max_cache_len = capacity
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor | None = None) -> None:
+        value_states = key_states if value_states is None else value_states
+        rows, heads = key_states.shape[:2]
+        self.keys = key_states.new_zeros(rows, heads, self.max_cache_len, key_states.shape[-1])
+        self.values = value_states.new_zeros(rows, value_states.shape[1], self.max_cache_len, value_states.shape[-1])
+        self.dtype, self.device = key_states.dtype, key_states.device
+        if not compat_static.is_compiling():  # fixed addresses: CUDA graphs read and write them in place
+            torch._dynamo.mark_static_address(self.keys)
+            torch._dynamo.mark_static_address(self.values)
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        slots = self.owner.write_slots  # [rows, width]
+        rows, width = slots.shape
+        self.keys.scatter_(2, slots.view(rows, 1, width, 1).expand_as(key_states), key_states)
+        self.values.scatter_(2, slots.view(rows, 1, width, 1).expand_as(value_states), value_states)
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return 0
+
+    def get_mask_sizes(self, *args, **kwargs) -> tuple[int, int]:
+        return self.max_cache_len, 0
+
+    def get_max_length(self) -> int:
+        return self.max_cache_len
+
+    def get_max_cache_shape(self) -> int:
+        return self.max_cache_len
+
+    def reset(self) -> None:
+        """Nothing to clear: a slot is written before any query can see it."""
+
+
+def _forward(float_mask: bool, cache_name: str) -> Callable:
+    """The function a runner calls (and compiles): logits ``[rows, width, V]`` of ``model`` for
+    ``input_ids`` ``[rows, width]`` at ``position_ids``, written to the cache at ``slots``; query j of
+    row b attends to the slots ``<= slots[b, j]``. The model is an argument, not a closure: a
+    compiled forward kept per model must not keep its model alive."""
+
+    def forward(model, input_ids, position_ids, slots, cache):
+        visible = visible_slots(slots, cache.capacity)
+        if float_mask:  # an additive mask, for attention that adds it to the scores
+            dtype = cache_dtype(model)
+            visible = torch.zeros(visible.shape, dtype=dtype, device=slots.device).masked_fill(
+                ~visible, torch.finfo(dtype).min)
+        return model(input_ids=input_ids, position_ids=position_ids, attention_mask=visible,
+                     use_cache=True, **{cache_name: cache}).logits
+
+    return forward
+
+
+def visible_slots(slots: torch.Tensor, capacity: int) -> torch.Tensor:
+    """The attention mask ``[rows, 1, width, capacity]``: the token written at slot ``slots[b, j]``
+    sees the slots of its row up to its own (the causal mask, over the whole cache)."""
+    return torch.arange(capacity, device=slots.device).view(1, 1, 1, -1) <= slots.unsqueeze(1).unsqueeze(-1)
+
+
+def cache_dtype(model) -> torch.dtype:
+    """The dtype of the model's attention scores (its first floating parameter's)."""
+    return next(p.dtype for p in model.parameters() if p.is_floating_point())
+
+
+# --- compiled forwards, made once per model and reused by every call --------------------------------
+_compiled: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_compiled_lock = threading.Lock()
+
+
+def compile_options(device: torch.device) -> dict:
+    """``torch.compile``'s options for forwards on ``device``: CUDA graphs on a GPU (mode
+    ``"reduce-overhead"``), inductor's default elsewhere; shapes never dynamic (one graph per width)."""
+    return {"mode": "reduce-overhead" if torch.device(device).type == "cuda" else None, "dynamic": False}
+
+
+# graphs a compiled forward may keep: one per width and batch size (dynamo's default allows 8 per
+# function; each model's forward is a function of its own)
+GRAPHS_PER_MODEL = 8 * len(WIDTHS)
+
+
+def forward_for(model, compiled: bool, float_mask: bool) -> Callable:
+    """The model's forward for a `StaticRunner`: compiled once per (model, mask kind) and kept
+    while the model lives (a later call reuses its graphs), or plain."""
+    forward = _forward(float_mask, compat.cache_argument(model))
+    if not compiled:
+        return forward
+    with _compiled_lock:
+        kinds = _compiled.setdefault(model, {})
+        if float_mask not in kinds:
+            # a code object of its own: dynamo keeps (and counts) graphs per code object, so each
+            # model's graphs neither evict nor count against another's
+            forward.__code__ = forward.__code__.replace()
+            kinds[float_mask] = _with_graph_limit(torch.compile(forward, **compile_options(model.device)))
+        return kinds[float_mask]
+
+
+def _with_graph_limit(compiled: Callable) -> Callable:
+    """``compiled`` allowed `GRAPHS_PER_MODEL` graphs (dynamo's limit, set around our calls only)."""
+
+    def call(*args):
+        with torch._dynamo.config.patch(recompile_limit=GRAPHS_PER_MODEL):
+            return compiled(*args)
+
+    return call
+
+
+# --- caches, kept per model and reused by later calls (a compiled graph keeps their addresses) -------
+_pool: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_pool_lock = threading.Lock()
+
+
+def take_cache(model, rows: int, capacity: int) -> SlotCache:
+    """A `SlotCache` for ``rows`` rows of ``model`` with ``capacity`` slots each: one a finished call
+    gave back, else a new one. While a call holds it no other call can take it."""
+    with _pool_lock:
+        free = _pool.get(model, {}).get((rows, capacity))
+        if free:
+            return free.pop()
+    return SlotCache(compat_static.decoder_layer_count(model), capacity, rows)
+
+
+def return_cache(model, cache: SlotCache) -> None:
+    """Give a cache back for later calls of the same shape (one kept per shape)."""
+    with _pool_lock:
+        kept = _pool.setdefault(model, {}).setdefault((cache.rows, cache.capacity), [])
+        if not kept:
+            kept.append(cache)
+
+
+class StaticRunner:
+    """A causal LM on a `SlotCache`, fed incrementally along the token sequences of ``rows`` rows,
+    with the interface of `hf_polybasic.cache.CachedModel` (see the module docstring for the layout).
+
+    ``compiled``: forwards of a bucketed width run through ``torch.compile`` (one graph per bucket and
+    batch size, made once per model). ``capacity``: slots per row, at least the longest sequence the
+    chain will feed plus the widest bucket (`capacity_for`).
+
+    Attributes:
+        lengths: per row, tokens of its current sequence held in the cache.
+        forward_passes: forward calls made.
+        cost_observer: told ``observe(tokens computed, seconds, rows)`` after forwards, when set; on a
+            GPU the seconds come from CUDA events read once the work has run (no forward waits).
+        widths: the padded widths of the forwards made (a forward's shape), for tests and statistics.
+    """
+
+    states = None  # no recurrent state (such models keep the dynamic runner)
+    compactions = 0
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        role: str,
+        capacity: int,
+        vocab_limit: int | None = None,
+        clock: Clock = DEFAULT_CLOCK,
+        rows: int = 1,
+        compiled: bool = False,
+        widths: tuple[int, ...] = WIDTHS,
+    ):
+        self.model, self.role, self.vocab_limit, self.clock, self.rows = model, role, vocab_limit, clock, rows
+        self.device = model.device
+        self.capacity = capacity
+        self.widths = widths
+        self.cache = take_cache(model, rows, capacity)
+        self.lengths = [0] * rows
+        self._live = [True] * rows
+        self.forward_passes = 0
+        self.forward_widths: list[int] = []
+        self.cost_observer = None
+        self.input_vocabulary = input_vocabulary_size(model)
+        self._ids_need_check = vocab_limit is not None and self.input_vocabulary < vocab_limit
+        float_mask = compat_static.attention_implementation(model) != "sdpa"
+        self._plain = forward_for(model, False, float_mask)
+        self.compiled = compiled
+        self._compiled = forward_for(model, True, float_mask) if compiled else None
+        self._timer = ForwardTimer(self.device, clock)
+
+    def close(self) -> None:
+        """Give the cache back for later calls (the runner is not used afterwards)."""
+        if self.cache is not None:
+            return_cache(self.model, self.cache)
+            self.cache = None
+
+    @property
+    def length(self) -> int:
+        return self.lengths[0]
+
+    @property
+    def live_rows(self) -> int:
+        return sum(self._live)
+
+    @property
+    def slots(self) -> int:
+        return max(self.lengths)
+
+    def logits(self, sequence: torch.LongTensor, num_positions: int) -> torch.Tensor:
+        """Float32 logits ``[num_positions, V]`` for the last positions of ``sequence`` (row 0)."""
+        return self.logits_rows({0: (sequence, num_positions)})[0]
+
+    def logits_rows(self, requests: dict[int, tuple[torch.LongTensor, int]]) -> dict[int, torch.Tensor]:
+        """``{row: (sequence [L], num_positions)}`` -> ``{row: [num_positions, V]}``, one forward for
+        every row of the batch (rows not asked feed only pads)."""
+        fed = {}
+        for row, (sequence, num_positions) in requests.items():
+            self.lengths[row] = min(self.lengths[row], sequence.shape[0] - num_positions)
+            fed[row] = sequence[self.lengths[row] :]
+        if self._ids_need_check:
+            self._check_ids(torch.cat(list(fed.values())))
+        needed = max(int(tokens.shape[0]) for tokens in fed.values())
+        width = bucket(needed, self.widths)
+        input_ids, position_ids, slots = self._inputs(fed, width)
+        self.cache.write_slots = slots
+        # compiled: the bucketed widths, once the cache is allocated (a graph then only writes it)
+        compiled = self._compiled is not None and width <= max(self.widths) and self.cache.allocated
+        forward = self._compiled if compiled else self._plain
+        self._timer.start()
+        logits = forward(self.model, input_ids, position_ids, slots, self.cache)
+        computed = self.rows * width
+        self._timer.stop(computed, self.rows, self.cost_observer)
+        self.forward_passes += 1
+        self.forward_widths.append(width)
+        out = {}
+        for row, (sequence, num_positions) in requests.items():
+            count = int(fed[row].shape[0])
+            out[row] = self._to_target_vocabulary(logits[row, count - num_positions : count, : self.vocab_limit].float())
+            self.lengths[row] = sequence.shape[0]
+        return out
+
+    def _inputs(self, fed: dict[int, torch.LongTensor], width: int):
+        """Token ids, positions and write slots ``[rows, width]`` on the device: each asked row's new
+        tokens first, then pads (rows not asked: pads only), every token at slot = its position."""
+        input_ids = torch.zeros(self.rows, width, dtype=torch.long, device=self.device)
+        starts = torch.tensor(self.lengths, dtype=torch.long)
+        slots = starts.unsqueeze(1) + torch.arange(width).unsqueeze(0)  # [rows, width]
+        if int(slots.max()) >= self.capacity:
+            raise RuntimeError(
+                f"{self.role}: a forward would write slot {int(slots.max())} of a static cache of {self.capacity}; "
+                "this is a bug in hf_polybasic (the capacity covers the budget)"
+            )
+        positions = slots.clone()
+        counts = torch.zeros(self.rows, dtype=torch.long)
+        for row, tokens in fed.items():
+            count = int(tokens.shape[0])
+            input_ids[row, :count] = tokens.to(self.device)
+            counts[row] = count
+        # a pad's position is its row's last real one: pads past a learned position table stay in range
+        last = (starts + counts - 1).clamp(min=0).unsqueeze(1)
+        positions = torch.where(torch.arange(width).unsqueeze(0) < counts.unsqueeze(1), positions, last)
+        return input_ids, positions.to(self.device), slots.to(self.device)
+
+    def prefill_repeated(self, prompts: dict[int, torch.LongTensor], repeats: int) -> None:
+        """Cache every row's prompt but its last token (identical prompts are computed once per row
+        here: the static cache has no cheap row copy, and a batch's prefill is one forward anyway)."""
+        rows = sorted(prompts)
+        if any(self.lengths) or len(rows) != self.rows:
+            raise ValueError(f"{self.role}: prefill_repeated needs an empty runner of {len(rows)} rows")
+        requests = {row: (prompts[row][:-1], 1) for row in rows if prompts[row].shape[0] > 1}
+        if requests:
+            self.logits_rows(requests)
+
+    def _to_target_vocabulary(self, logits: torch.Tensor) -> torch.Tensor:
+        if self.vocab_limit is not None and logits.shape[-1] < self.vocab_limit:
+            logits = torch.nn.functional.pad(logits, (0, self.vocab_limit - logits.shape[-1]), value=-float("inf"))
+        return logits
+
+    def _check_ids(self, new_ids: torch.LongTensor) -> None:
+        largest = int(new_ids.max()) if new_ids.numel() else -1
+        if largest >= self.input_vocabulary:
+            raise ValueError(
+                f"token id {largest} was generated but {self.role} has only {self.input_vocabulary} token "
+                "ids; every model of a chain must use the target's tokenizer (its vocabulary must cover every id "
+                "the target emits)"
+            )
+
+    def rollback_to(self, length: int) -> None:
+        self.rollback_rows({0: length})
+
+    def rollback_rows(self, lengths: dict[int, int]) -> None:
+        """Forget each row's tokens past its ``length``: only the length moves (see the module docstring)."""
+        for row, length in lengths.items():
+            self.lengths[row] = min(self.lengths[row], length)
+
+    def release_rows(self, rows) -> None:
+        """Rows that are done feed only pads from now on (the batch keeps its shape, so its graphs)."""
+        for row in rows:
+            self._live[row] = False
+
+    def commit(self) -> None:
+        """Nothing to do: a static cache holds no past beyond each row's length."""
+
+    def copy_into(self, cache, row: int = 0) -> None:
+        """Put the row's cached keys and values into ``cache`` (an empty `DynamicCache`, through its
+        public ``update``): what a call hands back as ``past_key_values`` holds what plain `generate`'s does."""
+        length = self.lengths[row]
+        if length == 0 or not self.cache.allocated:
+            return
+        for index, layer in enumerate(self.cache.layers):
+            cache.update(layer.keys[row : row + 1, :, :length].clone(), layer.values[row : row + 1, :, :length].clone(),
+                         index)
+
+
+
+# --- which models a StaticRunner takes ------------------------------------------------------------------
+_problems: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def static_problem(model: torch.nn.Module) -> str | None:
+    """Why ``model`` cannot decode exactly on a `StaticRunner`, or None (checked once per model):
+    recurrent or windowed layers, an attention implementation that takes no explicit mask, forward
+    hooks (Python run on every forward: accelerate's offloading, a restricted vocabulary's growth),
+    or a probe whose logits differ from full forwards: two rows of different lengths fed together,
+    one rolled back and fed other tokens (a model that builds its own mask or position bias from a
+    2-D attention mask, such as BLOOM's ALiBi, fails it)."""
+    with _pool_lock:
+        if model in _problems:
+            return _problems[model]
+    with torch.no_grad():
+        found = _find_problem(model)
+    with _pool_lock:
+        _problems[model] = found
+    return found
+
+
+def _find_problem(model: torch.nn.Module) -> str | None:
+    from .probe import _differs, _full_logits, _probe_ids, _tolerance
+    from .recurrent import recurrent_layers
+
+    if recurrent_layers(model) or compat.is_stateful(model):
+        return "it has recurrent layers (their state is not a slot per token)"
+    windowed = compat.windowed_layers(model)
+    if windowed:
+        index, kind = windowed[0]
+        return f"it has windowed attention (layer {index}: {kind}), which the static runner's masks do not apply"
+    implementation = compat_static.attention_implementation(model)
+    if implementation not in ("sdpa", "eager"):
+        return f"its attention implementation {implementation!r} takes no explicit attention mask (sdpa and eager do)"
+    if model._forward_hooks or model._forward_pre_hooks:
+        return "it has forward hooks (Python run at every forward, e.g. accelerate's offloading or a restricted vocabulary)"
+    a, b = _probe_ids(model, 16, seed=2), _probe_ids(model, 8, seed=3)
+    steps = [{0: (a[:2], 1), 1: (b[:2], 1)}, {0: (a[:12], 3), 1: (b[:3], 1)}, {0: (torch.cat([a[:6], b[:5]]), 3),
+                                                                               1: (b[:8], 3)}]
+    try:
+        runner = StaticRunner(model, model_label(model), capacity_for(32), rows=2)
+        try:
+            for number, step in enumerate(steps):
+                if number == 2:
+                    runner.rollback_rows({0: 6})
+                logits = runner.logits_rows(step)
+                for row, (sequence, count) in step.items():
+                    if _differs(logits[row], _full_logits(model, sequence, count), _tolerance(model)):
+                        return ("its logits on a static cache differ from a full forward's (it builds its own mask or "
+                                "position bias, or reads positions off the cache)")
+        finally:
+            runner.close()
+    except Exception as error:  # noqa: BLE001 - a model that cannot run on the static cache is answered the same way
+        return f"a forward on a static cache fails ({type(error).__name__}: {error})"
+    return None

@@ -1,0 +1,267 @@
+"""The static runner (`hf_polybasic.static`): exact against full forwards and plain `generate`,
+one compiled graph per width made once, a clear fallback for the models it cannot take.
+
+The oracle (tests/test_oracle.py) also draws static and compiled runners for every architecture;
+here are the properties of the runner itself and of what a user of ``cache_implementation="static"``
+and ``PolybasicConfig(compile=...)`` sees. Compiled forwards trace with dynamo's ``eager`` backend
+(conftest.py), except in the one test of inductor itself.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+
+import conftest
+import pytest
+import torch
+from distribution import ALPHA, SAMPLES, SETTINGS, STEPS, VOCAB, assert_every_level_took_part, chi_square_p_value, outcome_counts
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch._dynamo.utils import counters
+
+import hf_polybasic as hp
+from hf_polybasic import static
+from hf_polybasic.cache import CachedModel
+from hf_polybasic.drafters import PromptLookup
+from hf_polybasic.static import WIDTHS, StaticRunner, bucket, capacity_for, static_problem
+from hf_polybasic.testing import TINY_ARCHITECTURES, make_target, noisy_copy, prompt, tiny_chain
+
+STATIC_ARCHITECTURES = ["llama", "qwen2", "mixtral", "qwen3-moe", "mpt", "gpt2", "opt"]
+
+
+def _full(model, sequence: torch.LongTensor, count: int) -> torch.Tensor:
+    return CachedModel(model, None, role="reference").logits(sequence, count)
+
+
+def test_bucket_and_capacity():
+    assert [bucket(k) for k in (1, 2, 3, 5, 8, 9, 17, 32, 33)] == [1, 2, 4, 8, 8, 16, 32, 32, 33]
+    assert capacity_for(10) == 256 and capacity_for(256 - max(WIDTHS)) == 256 and capacity_for(300) == 512
+
+
+@pytest.mark.parametrize("arch", STATIC_ARCHITECTURES)
+def test_architectures_the_static_runner_takes(arch, shared_models):
+    target = shared_models.built(("static", arch), lambda: tiny_chain(arch, depth=1))[0]
+    assert static_problem(target) is None
+
+
+@st.composite
+def _operations(draw):
+    """Per step: each row's next sequence length (grown by 1-9 tokens, or cut back by a rollback first)."""
+    rows = draw(st.integers(1, 3))
+    steps = []
+    for _ in range(draw(st.integers(2, 6))):
+        step = {}
+        for row in range(rows):
+            if draw(st.booleans()) or not steps or (row == rows - 1 and not step):
+                step[row] = (draw(st.integers(0, 5)), draw(st.integers(1, 9)))  # (tokens rolled back, new tokens)
+        steps.append(step)
+    return rows, steps
+
+
+@settings(max_examples=12, deadline=None)
+@given(arch=st.sampled_from(STATIC_ARCHITECTURES), operations=_operations(), data=st.data())
+def test_static_runner_logits_equal_full_forwards(arch, operations, data, shared_models):
+    """Rows of different lengths fed together, rolled back and fed other tokens: every logit equals a
+    full forward's over the row's sequence (the runner pads to buckets; pads never show)."""
+    target = shared_models.built(("static", arch), lambda: tiny_chain(arch, depth=1))[0]
+    rows, steps = operations
+    runner = StaticRunner(target, "target", capacity_for(64), rows=rows)
+    generator = torch.Generator().manual_seed(data.draw(st.integers(0, 1000)))
+    sequences = {row: torch.randint(3, 90, (1,), generator=generator) for row in range(rows)}
+    try:
+        for step in steps:
+            requests = {}
+            for row, (back, new) in step.items():
+                kept = max(sequences[row].shape[0] - back, 1)
+                runner.rollback_rows({row: min(runner.lengths[row], kept)})
+                sequences[row] = torch.cat([sequences[row][:kept], torch.randint(3, 90, (new,), generator=generator)])
+                requests[row] = (sequences[row], min(new, 3))
+            logits = runner.logits_rows(requests)
+            for row, (sequence, count) in requests.items():
+                torch.testing.assert_close(logits[row], _full(target, sequence, count), rtol=1e-4, atol=1e-4)
+        assert set(runner.forward_widths) <= set(WIDTHS)
+    finally:
+        runner.close()
+
+
+def test_models_the_static_runner_refuses_say_why(shared_models):
+    mistral = shared_models.built(("static", "mistral"), lambda: tiny_chain("mistral", depth=1))[0]
+    assert "windowed attention" in static_problem(mistral)
+    bloom = shared_models.built(("static", "bloom"), lambda: tiny_chain("bloom", depth=1))[0]
+    assert "static cache" in static_problem(bloom)  # BLOOM builds ALiBi from a 2-D mask
+    hooked = make_target("llama", seed=5)
+    hooked.register_forward_pre_hook(lambda module, args: None)
+    assert "forward hooks" in static_problem(hooked)
+    eager = make_target("llama", seed=6)
+    eager.config._attn_implementation = "flash_attention_2"
+    assert "takes no explicit attention mask" in static_problem(eager)
+
+
+def _greedy(target, chain, ids, **options):
+    return target.generate(ids, custom_generate=hp.generate, assistant_models=chain, do_sample=False,
+                           max_new_tokens=30, return_dict_in_generate=True, **options)
+
+
+def test_cache_implementation_static_runs_every_model_static(shared_models):
+    target, *chain = shared_models.built(("static-chain", "llama"), lambda: tiny_chain("llama", depth=3))
+    ids = prompt(6, seed=11)
+    out = _greedy(target, [*chain, PromptLookup(num_tokens=3)], ids, cache_implementation="static", eos_token_id=None,
+                  polybasic_config=hp.PolybasicConfig(schedule="constant", num_draft_tokens=3, block_threshold=3))
+    assert torch.equal(out.sequences, target.generate(ids, do_sample=False, max_new_tokens=30, eos_token_id=None))
+    assert [level.runner for level in out.polybasic_stats.levels] == ["static"] * 3 + [""]
+    assert all(level.forward_passes > 0 for level in out.polybasic_stats.levels[:3])
+    # handed back as plain generate hands its cache back: the output minus its last token, continuable
+    cache = out.past_key_values
+    assert cache.get_seq_length() == out.sequences.shape[1] - 1
+    more = target.generate(out.sequences, past_key_values=cache, do_sample=False, max_new_tokens=5, eos_token_id=None)
+    assert torch.equal(more, target.generate(ids, do_sample=False, max_new_tokens=35, eos_token_id=None))
+
+
+def test_a_model_the_static_runner_refuses_keeps_the_dynamic_cache_with_a_warning(shared_models):
+    mistral, *chain = shared_models.built(("static-chain", "mistral"), lambda: tiny_chain("mistral", depth=2))
+    ids = prompt(6, seed=12)
+    with pytest.warns(UserWarning, match=r"runs target M1 MistralForCausalLM on a dynamic cache: it has windowed"):
+        out = _greedy(mistral, chain, ids, cache_implementation="static",
+                      polybasic_config=hp.PolybasicConfig(schedule="constant"))
+    assert torch.equal(out.sequences, mistral.generate(ids, do_sample=False, max_new_tokens=30))
+    assert [level.runner for level in out.polybasic_stats.levels] == ["dynamic", "dynamic"]
+
+
+def test_a_prefilled_static_cache_is_refused():
+    from transformers import StaticCache
+
+    target, m2 = tiny_chain("llama", depth=2)
+    ids = prompt(6, seed=13)
+    cache = StaticCache(config=target.config, max_cache_len=64)
+    target(ids, past_key_values=cache, use_cache=True)
+    with pytest.raises(ValueError, match="pre-filled StaticCache"):
+        _greedy(target, [m2], ids, past_key_values=cache)
+
+
+def _graphs() -> int:
+    return counters["stats"]["unique_graphs"]
+
+
+def test_compiled_forwards_make_one_graph_per_width_once(shared_models):
+    """A compiled chain makes a graph the first time each (model, padded width) comes up, so never more
+    than one per width of `WIDTHS` for each model, and a call that meets no new width makes none (no
+    recompilation per round, per call, per prompt or per budget)."""
+    target, *chain = shared_models.built(("static-chain", "qwen2"), lambda: tiny_chain("qwen2", depth=3))
+    config = hp.PolybasicConfig(schedule="constant", num_draft_tokens=3, block_threshold=4, compile=True)
+    calls = [(prompt(5, seed=1), 30), (prompt(9, seed=2), 30), (prompt(3, seed=3), 20), (prompt(12, seed=4), 40),
+             (prompt(40, seed=5), 10)] * 2
+    # a warm-up: each model's first forward allocates its cache, uncompiled; later calls take that cache
+    target.generate(prompt(4, seed=9), custom_generate=hp.generate, assistant_models=chain, polybasic_config=config,
+                    do_sample=False, max_new_tokens=8)
+    seen = [set() for _ in range(3)]  # widths each model has met since
+    for ids, budget in calls:
+        before = _graphs()
+        out = target.generate(ids, custom_generate=hp.generate, assistant_models=chain, polybasic_config=config,
+                              do_sample=False, max_new_tokens=budget, return_dict_in_generate=True)
+        assert torch.equal(out.sequences, target.generate(ids, do_sample=False, max_new_tokens=budget))
+        levels = out.polybasic_stats.levels
+        assert [level.runner for level in levels] == ["static, compiled"] * 3
+        new = sum(len(set(level.forward_widths) & set(WIDTHS) - known) for level, known in zip(levels, seen))
+        assert _graphs() - before <= new, f"{_graphs() - before} graphs for {new} new widths: compiled again"
+        for level, known in zip(levels, seen):
+            known.update(set(level.forward_widths) & set(WIDTHS))
+    assert all(seen) and calls[-1][0].shape[1] > max(WIDTHS)  # prompts wider than a bucket prefill uncompiled
+
+
+def test_compiled_cost_aware_default_is_exact_and_draws_on_the_compiled_runner(shared_models):
+    target, *chain = shared_models.built(("static-chain", "llama"), lambda: tiny_chain("llama", depth=3))
+    ids = prompt(7, seed=21)
+    out = _greedy(target, chain, ids, polybasic_config=hp.PolybasicConfig(compile=True))
+    assert torch.equal(out.sequences, target.generate(ids, do_sample=False, max_new_tokens=30))
+    assert out.polybasic_stats.levels[0].runner == "static, compiled"
+
+
+def test_learned_positions_near_their_limit(shared_models):
+    """Pads of the last forwards never take a position past a learned position table (GPT-2: 256)."""
+    target, *chain = shared_models.built(("static-chain", "gpt2"), lambda: tiny_chain("gpt2", depth=2))
+    ids = prompt(236, seed=22)
+    out = target.generate(ids, custom_generate=hp.generate, assistant_models=chain, do_sample=False,
+                          max_new_tokens=20, cache_implementation="static",
+                          polybasic_config=hp.PolybasicConfig(schedule="constant", num_draft_tokens=6))
+    assert torch.equal(out, target.generate(ids, do_sample=False, max_new_tokens=20))
+
+
+def test_threads_decode_with_one_model_at_once(shared_models):
+    """Two calls at once never share a static cache (a call takes one from the pool or makes its own)."""
+    target, *chain = shared_models.built(("static-chain", "llama"), lambda: tiny_chain("llama", depth=3))
+    prompts = [prompt(5 + index, seed=30 + index) for index in range(4)]
+    expected = [target.generate(ids, do_sample=False, max_new_tokens=30) for ids in prompts]
+    results, errors = {}, []
+
+    def work(index):
+        try:
+            results[index] = target.generate(
+                prompts[index], custom_generate=hp.generate, assistant_models=chain, do_sample=False,
+                max_new_tokens=30, cache_implementation="static",
+                polybasic_config=hp.PolybasicConfig(schedule="constant"))
+        except Exception as error:  # noqa: BLE001 - reported below
+            errors.append(error)
+
+    threads = [threading.Thread(target=work, args=(index,)) for index in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors
+    for index, ids in enumerate(prompts):
+        assert torch.equal(results[index], expected[index])
+
+
+def test_inductor_compiled_chain_equals_plain_generate(monkeypatch):
+    """The real backend, once (seconds per graph on a CPU): exact, and compiled once."""
+    monkeypatch.setattr(static, "compile_options", conftest.INDUCTOR_COMPILE_OPTIONS)
+    target = make_target("llama", seed=41)
+    draft = noisy_copy(target, 0.1, seed=42)
+    config = hp.PolybasicConfig(schedule="constant", num_draft_tokens=3, compile=True)
+    ids = prompt(6, seed=1)
+    counts = []
+    for _ in range(3):  # the first call's prefills allocate (uncompiled); the third meets no new width
+        out = _greedy(target, [draft], ids, polybasic_config=config)
+        assert torch.equal(out.sequences, target.generate(ids, do_sample=False, max_new_tokens=30))
+        counts.append(_graphs())
+    assert counts[2] == counts[1]
+    assert out.polybasic_stats.levels[1].runner == "static, compiled"
+
+
+# --- sampling -------------------------------------------------------------------------------------------
+def _static_sample_counts(models, setting: str, seed: int, generate=hp.generate, **options):
+    ids = prompt(3, seed=5, vocab=VOCAB)
+    torch.manual_seed(seed)
+    out = models[0].generate(
+        ids, do_sample=True, max_new_tokens=STEPS, num_return_sequences=SAMPLES, custom_generate=generate,
+        assistant_models=list(models[1:]), return_dict_in_generate=True, **SETTINGS[setting], **options)
+    return outcome_counts(out.sequences[:, ids.shape[1] :]), out.polybasic_stats
+
+
+@pytest.mark.parametrize("runner", ["static", "compiled"])
+def test_static_chain_samples_the_target_distribution(runner, distribution_models, exact_distribution):
+    setting = "temperature+top_k+top_p"
+    config = hp.PolybasicConfig(schedule="constant", num_draft_tokens=2, block_threshold=2,
+                                compile=runner == "compiled")
+    extra = {"cache_implementation": "static"} if runner == "static" else {}
+    counts, stats = _static_sample_counts(distribution_models[:3], setting, seed=7, polybasic_config=config, **extra)
+    print(runner, assert_every_level_took_part(stats))
+    assert {level.runner for level in stats.levels} == {"static, compiled" if runner == "compiled" else "static"}
+    assert chi_square_p_value(counts, exact_distribution(setting)) > ALPHA
+
+
+def test_negative_control_a_mask_that_sees_one_slot_too_far(distribution_models, exact_distribution, monkeypatch):
+    """A static mask off by one (each token also sees the slot after its own: the next draft, a pad or a
+    stale token) fails the same test: it has the power to see a static runner's mistakes. (A rollback
+    that does nothing would not: every forward re-feeds from the first position whose logits it needs,
+    and the target's is always its last emitted token, so no stale slot is ever seen; only a level
+    below the target can lag, and what it computes changes acceptance, never the output.)"""
+    monkeypatch.setattr(static, "visible_slots", lambda slots, capacity: torch.arange(
+        capacity, device=slots.device).view(1, 1, 1, -1) <= slots.unsqueeze(1).unsqueeze(-1) + 1)
+    setting = "temperature+top_k+top_p"
+    config = hp.PolybasicConfig(schedule="constant", num_draft_tokens=2, block_threshold=2)
+    counts, stats = _static_sample_counts(distribution_models[:3], setting, seed=7, polybasic_config=config,
+                                          cache_implementation="static")
+    assert_every_level_took_part(stats)
+    assert chi_square_p_value(counts, exact_distribution(setting)) < ALPHA
