@@ -6,30 +6,65 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test test-matrix mutation docs serve-docs clean
+.PHONY: demo test test-quant4 test-matrix test-torch-floor quant4 mutation docs serve-docs clean
 
-# torch==2.13.0 is installed first: an unpinned torch would pull a multi-GB CUDA build.
+# torch==2.13.0 and transformers==$(NEWEST) are installed first: an unpinned torch would pull a
+# multi-GB CUDA build, and the full suite runs on the newest transformers release the package admits.
+# The 4-bit extra (quant4: torchao, bitsandbytes) is NOT installed here: transformers imports torchao
+# whenever it is installed, and torchao then prints load errors and torch deprecation warnings on
+# every run (make demo included). It lives in .matrix/quant4 (`make quant4`), which only the 4-bit
+# tests put on PYTHONPATH; a venv made before this is cleaned of it.
+NEWEST := 5.24.0
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e ".[dev,docs,models,bench,quant4]"
+	$(BIN)/pip install --quiet torch==2.13.0 transformers==$(NEWEST)
+	$(BIN)/pip install --quiet -e ".[dev,docs,models,bench]" transformers==$(NEWEST)
+	$(BIN)/pip uninstall --quiet --yes torchao bitsandbytes 2>/dev/null || true
 	touch $@
 
 demo: $(VENV)/.installed
 	$(BIN)/hf-polybasic demo
 
-# The full suite runs on the transformers release installed in .venv (the newest supported); a
-# representative subset (greedy equality on every architecture, the distribution tests, generate's
-# features incl. streamers and pipelines, batched decoding, the compat checks) runs again on older releases, each
-# installed beside it in .matrix/ (pure-Python wheels, seconds) and put first on PYTHONPATH.
-MATRIX_RELEASES := 4.57.6 5.4.0 5.14.1
-MATRIX_TESTS := tests/test_compat.py tests/test_greedy_equality.py tests/test_sampling_distribution.py \
-	tests/test_generate_features.py tests/test_batches.py tests/test_vocab_head.py
+# The optional extras' requirements as pyproject.toml states them, one a line (for xargs: no shell quoting)
+EXTRA = $(BIN)/python -c 'import sys, tomllib; print("\n".join(tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"][sys.argv[1]]))'
 
+# The 4-bit extra beside the venv (pure Python plus prebuilt kernels; --no-deps: torch, numpy and
+# packaging come from the venv). Use it with PYTHONPATH=.matrix/quant4 (tests, bench --four-bit).
+QUANT4 := .matrix/quant4
+quant4: $(QUANT4)/.installed
+$(QUANT4)/.installed: pyproject.toml $(VENV)/.installed
+	rm -rf $(QUANT4)
+	$(EXTRA) quant4 | xargs $(BIN)/pip install --quiet --no-deps --no-warn-conflicts --target $(QUANT4)
+	touch $@
+
+# The full suite runs on the release installed in .venv ($(NEWEST)); then, each with a subset chosen
+# to keep `make test` within about 20 minutes on 2 cores from a clean clone (README, Compatibility):
+# - test-quant4: the 4-bit tests, with the quant4 extra on PYTHONPATH;
+# - test-matrix: one release of every band where the internals we touch changed, each installed
+#   beside .venv in .matrix/ (pure-Python wheels, seconds) and put first on PYTHONPATH;
+# - test-torch-floor: the lowest torch pyproject.toml admits, on the .venv's transformers, installed
+#   the same way (PyPI's CUDA build with its NVIDIA libraries, about 4.6 GB; it runs on the CPU).
 test: $(VENV)/.installed
 	$(BIN)/python -m pytest -q
-	$(MAKE) --no-print-directory test-matrix
+	$(MAKE) --no-print-directory test-quant4 test-matrix test-torch-floor
+
+QUANT4_TESTS := tests/test_four_bit.py tests/test_machine_aware.py::test_the_costs_command_measures_every_variant_and_writes_its_table
+test-quant4: $(QUANT4)/.installed
+	@echo "== the quant4 extra: $(QUANT4_TESTS)"
+	PYTHONPATH=$(QUANT4) $(BIN)/python -m pytest -q -p no:cacheprovider $(QUANT4_TESTS)
+
+# Bands: 4.57 (the oldest with callable custom_generate), 5.0 - 5.4 (per-family recurrent caches),
+# 5.5 - 5.14 (no sliding past recording: full layers stand in), 5.15 - 5.17 (sliding layers record
+# their past but hand attention all of it: full layers stand in), 5.18 - 5.22 (batched generate
+# penalizes each row's left padding), 5.23 (generate keeps the streamer from custom_generate), 5.24
+# (`cache` renames `past_key_values`; the newest: .venv). Every release runs MATRIX_TESTS (the compat
+# checks, greedy equality on every architecture, generate's features, batched decoding); the oldest
+# and the 5.15 - 5.17 band also run MATRIX_MORE_TESTS (the distribution tests, the restricted drafter).
+MATRIX_RELEASES := 5.23.0 5.20.2 5.17.0 5.14.1 5.4.0 4.57.6
+MATRIX_TESTS := tests/test_compat.py tests/test_greedy_equality.py tests/test_generate_features.py tests/test_batches.py
+MATRIX_MORE_RELEASES := 5.17.0 4.57.6
+MATRIX_MORE_TESTS := tests/test_sampling_distribution.py tests/test_vocab_head.py
 
 test-matrix: $(VENV)/.installed
 	@for release in $(MATRIX_RELEASES); do \
@@ -38,9 +73,24 @@ test-matrix: $(VENV)/.installed
 	    rm -rf $$dir && $(BIN)/pip install --quiet --no-warn-conflicts --target $$dir "transformers==$$release" \
 	      && touch $$dir/.installed || exit 1; \
 	  fi; \
-	  echo "== transformers $$release: $(MATRIX_TESTS)"; \
-	  PYTHONPATH=$$dir $(BIN)/python -m pytest -q -p no:cacheprovider $(MATRIX_TESTS) || exit 1; \
+	  tests="$(MATRIX_TESTS)"; \
+	  case " $(MATRIX_MORE_RELEASES) " in *" $$release "*) tests="$$tests $(MATRIX_MORE_TESTS)";; esac; \
+	  echo "== transformers $$release: $$tests"; \
+	  PYTHONPATH=$$dir $(BIN)/python -m pytest -q -p no:cacheprovider $$tests || exit 1; \
 	done
+
+# The torch floor (pyproject.toml: torch>=$(TORCH_FLOOR); the project's GPU machines run it):
+# MATRIX_TESTS and the distribution tests on the .venv's transformers.
+TORCH_FLOOR := 2.11.0
+TORCH_FLOOR_DIR := .matrix/torch-$(TORCH_FLOOR)
+$(TORCH_FLOOR_DIR)/.installed: | $(VENV)/.installed
+	rm -rf $(TORCH_FLOOR_DIR)
+	$(BIN)/pip install --quiet --no-warn-conflicts --target $(TORCH_FLOOR_DIR) torch==$(TORCH_FLOOR)
+	touch $@
+
+test-torch-floor: $(TORCH_FLOOR_DIR)/.installed
+	@echo "== torch $(TORCH_FLOOR): $(MATRIX_TESTS) tests/test_sampling_distribution.py"
+	PYTHONPATH=$(TORCH_FLOOR_DIR) $(BIN)/python -m pytest -q -p no:cacheprovider $(MATRIX_TESTS) tests/test_sampling_distribution.py
 
 # mutmut 3 (the `mutation` extra) on a seeded, per-module stratified sample of the mutants of the
 # decoding core (modules and tests: [tool.mutmut] in pyproject.toml; sampling and the per-module
