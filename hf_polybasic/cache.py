@@ -17,7 +17,8 @@ from __future__ import annotations
 import torch
 
 from . import compat, recurrent
-from .timing import DEFAULT_CLOCK, Clock, cuda_devices, synchronize, timed
+from .attention import attention_for
+from .timing import DEFAULT_CLOCK, Clock, ForwardTimer, cuda_devices
 
 
 def model_label(model: torch.nn.Module) -> str:
@@ -115,7 +116,11 @@ class CachedModel:
         self.clock = clock
         self.rows = rows
         self.device = model.device
-        self.cuda_devices = cuda_devices(model)  # synchronized at the end of each timed forward
+        self.cuda_devices = cuda_devices(model)
+        # forwards are timed for the cost observer without waiting for the GPU (CUDA events, read later)
+        self._timer = ForwardTimer(self.device, clock, self.cuda_devices)
+        # shapes change every forward: attention kernels that plan per shape (cuDNN) are left out on a GPU
+        self._attention = attention_for(self.device, fixed_shapes=False)
         if cache is not None:
             check_rollback_support(model, cache, role)
             compat.record_past_states(cache)
@@ -178,16 +183,15 @@ class CachedModel:
             self._check_ids(torch.cat(list(fed.values())))
         keep = max(n for _, n in requests.values())
         kwargs = {"logits_to_keep": keep} if self._accepts_logits_to_keep else {}
-        with timed(self.clock) as span:
+        self._timer.start()
+        with self._attention():
             if self.rows == 1:
                 (row,) = requests
                 logits = {row: self._forward_one(fed[row], requests[row][1], kwargs)}
                 computed, batch = int(fed[row].shape[0]), 1
             else:
                 logits, computed, batch = self._forward_rows(fed, {r: n for r, (_, n) in requests.items()}, kwargs)
-            synchronize(self.cuda_devices)  # on a GPU, time the work, not its launch
-        if self.cost_observer is not None:
-            self.cost_observer.observe(computed, span.seconds, rows=batch)
+        self._timer.stop(computed, batch, self.cost_observer)
         self.forward_passes += 1
         for row, (sequence, _) in requests.items():
             self.lengths[row] = sequence.shape[0]
@@ -260,10 +264,9 @@ class CachedModel:
             valid[group, width - count :] = True
         kwargs = {"logits_to_keep": 1} if self._accepts_logits_to_keep else {}
         valid = valid.to(self.device)
-        with timed(self.clock):
+        with self._attention():
             self.model(input_ids=inputs, position_ids=positions.to(self.device),
                        attention_mask=valid.long(), use_cache=True, **{compat.cache_argument(self.model): self.cache}, **kwargs)
-            synchronize(self.cuda_devices)
         self.forward_passes += 1
         self.cache.batch_repeat_interleave(repeats)
         self._valid = valid.repeat_interleave(repeats, dim=0)

@@ -16,7 +16,8 @@ from the write positions. Hence:
 * **widths are bucketed**: a forward of k tokens per row is padded to the next of `WIDTHS`
   with trailing pad tokens (their logits dropped, their keys written past the row's length, so
   never seen). Together with the fixed capacity, a compiled forward meets a handful of shapes:
-  one graph per bucket, captured once.
+  one graph per bucket that decoding uses, made the first time it comes up (a prompt's prefill,
+  once per call and of any width, runs uncompiled).
 
 Which models it takes is checked, not assumed (`static_problem`): attention over one cache layer
 kind without windows, no recurrent state, an attention implementation that takes an explicit
@@ -34,7 +35,7 @@ import torch
 
 from . import compat
 from .cache import input_vocabulary_size, model_label
-from .timing import DEFAULT_CLOCK, Clock, ForwardTimer
+from .timing import DEFAULT_CLOCK, Clock, ForwardTimer, cuda_devices
 
 # --- transformers internals (to move into compat.py) ---
 from transformers.cache_utils import Cache as _CacheBase, CacheLayerMixin as _CacheLayerBase
@@ -257,7 +258,8 @@ class StaticRunner:
         forward_passes: forward calls made.
         cost_observer: told ``observe(tokens computed, seconds, rows)`` after forwards, when set; on a
             GPU the seconds come from CUDA events read once the work has run (no forward waits).
-        widths: the padded widths of the forwards made (a forward's shape), for tests and statistics.
+        forward_widths: the padded width of each decoding forward (its shape: one graph each when
+            compiled), for the statistics; prefills are not counted.
     """
 
     states = None  # no recurrent state (such models keep the dynamic runner)
@@ -290,7 +292,7 @@ class StaticRunner:
         self._plain = forward_for(model, False, float_mask)
         self.compiled = compiled
         self._compiled = forward_for(model, True, float_mask) if compiled else None
-        self._timer = ForwardTimer(self.device, clock)
+        self._timer = ForwardTimer(self.device, clock, cuda_devices(model))
 
     def close(self) -> None:
         """Give the cache back for later calls (the runner is not used afterwards)."""
@@ -321,21 +323,24 @@ class StaticRunner:
         for row, (sequence, num_positions) in requests.items():
             self.lengths[row] = min(self.lengths[row], sequence.shape[0] - num_positions)
             fed[row] = sequence[self.lengths[row] :]
+        prefill = any(self.lengths[row] == 0 for row in requests)
         if self._ids_need_check:
             self._check_ids(torch.cat(list(fed.values())))
         needed = max(int(tokens.shape[0]) for tokens in fed.values())
         width = bucket(needed, self.widths)
         input_ids, position_ids, slots = self._inputs(fed, width)
         self.cache.write_slots = slots
-        # compiled: the bucketed widths, once the cache is allocated (a graph then only writes it)
-        compiled = self._compiled is not None and width <= max(self.widths) and self.cache.allocated
+        # compiled: decoding's bucketed widths, once the cache is allocated (a graph then only writes it);
+        # a prompt's prefill, once per call and of any width, runs uncompiled
+        compiled = self._compiled is not None and width <= max(self.widths) and self.cache.allocated and not prefill
         forward = self._compiled if compiled else self._plain
         self._timer.start()
         logits = forward(self.model, input_ids, position_ids, slots, self.cache)
         computed = self.rows * width
         self._timer.stop(computed, self.rows, self.cost_observer)
         self.forward_passes += 1
-        self.forward_widths.append(width)
+        if not prefill:
+            self.forward_widths.append(width)
         out = {}
         for row, (sequence, num_positions) in requests.items():
             count = int(fed[row].shape[0])
@@ -345,25 +350,23 @@ class StaticRunner:
 
     def _inputs(self, fed: dict[int, torch.LongTensor], width: int):
         """Token ids, positions and write slots ``[rows, width]`` on the device: each asked row's new
-        tokens first, then pads (rows not asked: pads only), every token at slot = its position."""
-        input_ids = torch.zeros(self.rows, width, dtype=torch.long, device=self.device)
-        starts = torch.tensor(self.lengths, dtype=torch.long)
-        slots = starts.unsqueeze(1) + torch.arange(width).unsqueeze(0)  # [rows, width]
-        if int(slots.max()) >= self.capacity:
+        tokens first, then pads (rows not asked: pads only), every token at slot = its position; a
+        pad's position is its row's last real one (pads past a learned position table stay in range).
+        Built on the host from the lengths it knows: nothing is read back from the device."""
+        if max(self.lengths) + width > self.capacity:
             raise RuntimeError(
-                f"{self.role}: a forward would write slot {int(slots.max())} of a static cache of {self.capacity}; "
-                "this is a bug in hf_polybasic (the capacity covers the budget)"
+                f"{self.role}: a forward would write slot {max(self.lengths) + width - 1} of a static cache of "
+                f"{self.capacity}; this is a bug in hf_polybasic (the capacity covers the budget)"
             )
-        positions = slots.clone()
-        counts = torch.zeros(self.rows, dtype=torch.long)
+        counts = [int(fed[row].shape[0]) if row in fed else 0 for row in range(self.rows)]
+        slots = [[length + j for j in range(width)] for length in self.lengths]
+        positions = [[length + min(j, max(count - 1, 0)) if count else max(length - 1, 0) for j in range(width)]
+                     for length, count in zip(self.lengths, counts)]
+        input_ids = torch.zeros(self.rows, width, dtype=torch.long, device=self.device)
         for row, tokens in fed.items():
-            count = int(tokens.shape[0])
-            input_ids[row, :count] = tokens.to(self.device)
-            counts[row] = count
-        # a pad's position is its row's last real one: pads past a learned position table stay in range
-        last = (starts + counts - 1).clamp(min=0).unsqueeze(1)
-        positions = torch.where(torch.arange(width).unsqueeze(0) < counts.unsqueeze(1), positions, last)
-        return input_ids, positions.to(self.device), slots.to(self.device)
+            input_ids[row, : counts[row]] = tokens.to(self.device)
+        return (input_ids, torch.tensor(positions, dtype=torch.long).to(self.device),
+                torch.tensor(slots, dtype=torch.long).to(self.device))
 
     def prefill_repeated(self, prompts: dict[int, torch.LongTensor], repeats: int) -> None:
         """Cache every row's prompt but its last token (identical prompts are computed once per row

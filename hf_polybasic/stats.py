@@ -37,8 +37,8 @@ class LevelStats:
             at the end of the call, ``{k: seconds}`` for k tokens scored (None for other schedules).
         runner: how this model's forwards ran: "dynamic" (a `DynamicCache`), "static" or "static,
             compiled" (`hf_polybasic.static`); "" for a `Drafter`.
-        forward_widths: on a static runner, ``{padded width: forwards}`` (each width is one shape,
-            one compiled graph); empty otherwise.
+        forward_widths: on a static runner, ``{padded width: decoding forwards}`` (each width is one
+            shape, one compiled graph; prompt prefills not counted); empty otherwise.
     """
 
     name: str

@@ -4,8 +4,10 @@ The chain's levels, its model runners and the decode loop read time only through
 default is `time.perf_counter`. Tests inject a simulated clock (`hf_polybasic.testing.SimulatedClock`)
 so that schedules that react to timings are deterministic.
 
-On a GPU, work is queued and the clock would read when it was launched, not when it ran: a timed
-forward ends with `synchronize` on the devices its model lives on (`cuda_devices`).
+On a GPU, work is queued and the clock would read when it was launched, not when it ran: a model
+runner's forwards are timed by CUDA events read once they have run (`ForwardTimer`, which never
+makes a forward wait), and a measurement ends with `synchronize` on the devices its model lives on
+(`cuda_devices`).
 """
 
 from __future__ import annotations
@@ -60,9 +62,11 @@ class ForwardTimer:
     forward, by then the round's decision has been read back anyway): the host keeps queueing work.
     """
 
-    def __init__(self, device: torch.device, clock: Clock = DEFAULT_CLOCK):
+    def __init__(self, device: torch.device, clock: Clock = DEFAULT_CLOCK, devices: tuple[torch.device, ...] = ()):
         self.clock = clock
-        self.events = torch.device(device).type == "cuda" and clock is DEFAULT_CLOCK
+        # events time one device's queue; a model split over several GPUs is synchronized instead
+        self.events = torch.device(device).type == "cuda" and clock is DEFAULT_CLOCK and len(devices) <= 1
+        self.devices = devices
         self._started: float | torch.cuda.Event | None = None
         self._pending: list[tuple] = []  # (start event, end event, tokens, rows), oldest first
 
@@ -78,6 +82,7 @@ class ForwardTimer:
         if observer is None:
             return
         if not self.events:
+            synchronize(self.devices)  # on GPUs, time the work, not its launch
             observer.observe(tokens, self.clock() - self._started, rows=rows)
             return
         end = torch.cuda.Event(enable_timing=True)

@@ -52,17 +52,20 @@ def _reads(target, assistants, rows, config, generate=hp.generate, new_tokens=24
     return reads, out.polybasic_stats
 
 
+@pytest.mark.parametrize("compiled", [False, True])
 @pytest.mark.parametrize("do_sample", [False, True])
 @pytest.mark.parametrize("k", [2, 8])
 @pytest.mark.parametrize("rows", [1, 4])
-def test_reads_per_round_are_a_constant_whatever_k_and_the_rows(k, rows, do_sample, shared_models):
+def test_reads_per_round_are_a_constant_whatever_k_and_the_rows(k, rows, do_sample, compiled, shared_models):
     """Two models, the constant schedule: a round reads back three times (the drafter's tokens, the
-    target's decisions for every row, the stopping criteria's verdicts), plus a few per call."""
+    target's decisions for every row, the stopping criteria's verdicts), plus a few per call; on the
+    static, compiled runner as on the dynamic one (its inputs are built from lengths the host knows)."""
     target, draft = shared_models.chain("llama", 2, seed=79)
-    reads, stats = _reads(target, [draft], rows, hp.PolybasicConfig(num_draft_tokens=k, schedule="constant"),
-                          do_sample=do_sample)
+    config = hp.PolybasicConfig(num_draft_tokens=k, schedule="constant", compile=compiled)
+    reads, stats = _reads(target, [draft], rows, config, do_sample=do_sample)
     rounds = stats.levels[0].forward_passes
     assert stats.levels[0].drafted > 0
+    assert stats.levels[0].runner == ("static, compiled" if compiled else "dynamic")
     assert reads.count <= 3 * rounds + 4, (reads.where, reads.names)
 
 

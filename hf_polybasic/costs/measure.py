@@ -12,7 +12,7 @@ import torch
 from ..cache import CachedModel
 from ..compat import new_dynamic_cache
 from ..hardware import describe_machine
-from ..timing import DEFAULT_CLOCK, Clock, timed
+from ..timing import DEFAULT_CLOCK, Clock, cuda_devices, synchronize, timed
 from .curve import CALIBRATION_CONTEXT, CostCurve
 
 MEASURED_TOKENS = (1, 2, 4, 8, 16)
@@ -32,16 +32,19 @@ def _forward_times(
 ) -> list:
     """Seconds of ``repeats`` forwards of ``num_tokens`` tokens after ``prefix`` (after one untimed
     warm-up forward unless ``warm=False``, when one forward is timed). On a GPU each is timed to
-    the end of its work (`hf_polybasic.cache.CachedModel` synchronizes), not to its kernels' launch."""
+    the end of its work (the model's devices are synchronized), not to its kernels' launch."""
     if runner is None:
         runner = CachedModel(model, new_dynamic_cache(model), role="measured model", clock=clock)
         runner.logits(prefix, 1)  # prefill: the cache now holds the prefix
     sequence = torch.cat([prefix, prefix[-1:].repeat(num_tokens)])
+    devices = cuda_devices(model)
     times = []
     for _ in range(repeats + 1 if warm else 1):  # the first run warms up and is dropped
         runner.rollback_to(prefix.shape[0])
+        synchronize(devices)
         with timed(clock) as span:
-            runner.logits(sequence, num_tokens)  # ends when the work has run (CachedModel synchronizes)
+            runner.logits(sequence, num_tokens)
+            synchronize(devices)  # ends when the work has run
         times.append(span.seconds)
     return times[1:] if warm else times
 
