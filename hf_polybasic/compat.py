@@ -6,9 +6,10 @@ topic:
 
 * caches: `new_dynamic_cache`, `is_dynamic_cache`, `unrollable_layer`, `windowed_layers`, `replaceable_empty_cache`,
   `record_past_states`, `stop_recording_past_states`, `remove_last_tokens`, `restrict_sliding_layers`,
-  `select_batch_rows`, `gather_slots`
+  `select_batch_rows`, `gather_slots`, `SLIDING_LAYERS_ROLL_BACK` (whether sliding layers that record
+  their past hand attention only their window: transformers >= 5.18, checked on a tiny layer)
   (cache layer classes and their ``keys``, ``values``, ``cumulative_length``, ``is_initialized``,
-  ``record_past`` fields; ``crop``'s argument);
+  ``record_past`` fields; ``crop``'s argument; what a recording sliding layer's ``update`` returns);
 * recurrent state (hybrid models, for `hf_polybasic.recurrent`, transformers >= 5.15):
   `is_recurrent_cache_layer`, `recurrent_layer_indices`, `read_recurrent_state`,
   `write_recurrent_state`, `trim_conv_states`, `tracks_length`, `holds_recurrent_state`,
@@ -163,6 +164,16 @@ def is_static_cache(cache) -> bool:
     from transformers.cache_utils import StaticCache
 
     return isinstance(cache, StaticCache)
+
+
+def forget_generate_static_cache(model, cache) -> None:
+    """transformers up to 5.14 at least keeps the `StaticCache` that `generate` built for
+    ``cache_implementation="static"`` on the model (``_cache``) and reuses it at the next such call,
+    reading its layers' sizes; a chain never fills it (its static runners keep caches of their own),
+    so on 5.4 the next call failed on its never-initialized layers. Forget it: the next call builds
+    a new one (allocated lazily). Releases that keep none (5.24) are unaffected."""
+    if getattr(model, "_cache", None) is cache:
+        del model._cache
 
 
 def unrollable_layer(cache) -> tuple[int, str] | None:
