@@ -110,6 +110,8 @@ def check_request(
     # generate refuses cache_implementation next to a cache of the caller's: with it set, generate built this one
     made_by_generate = getattr(generation_config, "cache_implementation", None) is not None
     if static:  # the chain's static runners keep their own caches; this one holds what is handed back
+        if given_cache is not None:
+            compat.forget_generate_static_cache(model, given_cache)
         given_cache = new_dynamic_cache(model)
     elif given_cache is not None and compat.replaceable_empty_cache(given_cache, made_by_generate):
         if not compat.is_dynamic_cache(given_cache):
