@@ -36,7 +36,7 @@ from .drafting import DrafterLevel, ModelDrafter, ScheduledRows
 from .processing import DecodingRules, process_positions
 from .protocol import Block, Level, Proposal
 from .schedule import BatchGate, Schedule, make_schedule
-from .static import StaticRunner, static_problem
+from .static import StaticRunner, compile_problem, static_problem
 from .stats import LevelStats, PolybasicStats
 from .timing import DEFAULT_CLOCK, Clock, timed
 from .verify import greedy_decision, speculative_decision
@@ -303,25 +303,31 @@ _warned_runners: set[tuple[str, str]] = set()
 
 def make_runner(model, cache, role: str, config: PolybasicConfig, static: bool, capacity: int | None,
                 vocab_limit: int | None = None, clock: Clock = DEFAULT_CLOCK, rows: int = 1):
-    """The runner a model of the chain decodes with: a `StaticRunner` (compiled where
-    `PolybasicConfig.compiles`) when the call asks for a static cache or compiled forwards and the
-    model can (`static_problem`; the cache it would start from is empty), else a `CachedModel` on
-    ``cache`` (with a warning, once per model kind and reason, when static was asked for)."""
+    """The runner a model of the chain decodes with: a `StaticRunner` when the call asks for a static
+    cache or compiled forwards (`PolybasicConfig.compiles`) and the model can (`static_problem`; the
+    cache it would start from is empty), compiled unless hooks on it say not now (`compile_problem`);
+    else a `CachedModel` on ``cache``. What was asked and not done is said in a warning, once per
+    model kind and reason."""
     compiled = config.compiles(model.device)
-    if (static or compiled) and capacity is not None and cache is not None and cached_tokens(cache) == 0:
-        problem = static_problem(model)
-        if problem is None:
-            return StaticRunner(model, role, capacity, vocab_limit, clock, rows, compiled=compiled)
-        key = (model_label(model), problem)
-        if key not in _warned_runners:
-            _warned_runners.add(key)
-            warnings.warn(
-                f"hf_polybasic runs {role} on a dynamic cache" + (", uncompiled" if compiled else "") + f": {problem}. "
-                "The other models of the chain run " + ("compiled " if compiled else "") + "on static caches where they can",
-                UserWarning,
-                stacklevel=6,
-            )
+    if not (static or compiled) or capacity is None or cache is None or cached_tokens(cache) != 0:
+        return CachedModel(model, cache, role=role, vocab_limit=vocab_limit, clock=clock, rows=rows)
+    problem = static_problem(model)
+    if problem is None:
+        hooked = compile_problem(model) if compiled else None
+        if hooked is not None:
+            _warn_runner(model, hooked, f"hf_polybasic runs {role} on a static cache, uncompiled: {hooked}")
+        return StaticRunner(model, role, capacity, vocab_limit, clock, rows, compiled=compiled and hooked is None)
+    _warn_runner(model, problem, f"hf_polybasic runs {role} on a dynamic cache" + (", uncompiled" if compiled else "")
+                 + f": {problem}. The other models of the chain run " + ("compiled " if compiled else "")
+                 + "on static caches where they can")
     return CachedModel(model, cache, role=role, vocab_limit=vocab_limit, clock=clock, rows=rows)
+
+
+def _warn_runner(model, reason: str, message: str) -> None:
+    key = (model_label(model), reason)
+    if key not in _warned_runners:
+        _warned_runners.add(key)
+        warnings.warn(message, UserWarning, stacklevel=7)
 
 
 def build_chain(

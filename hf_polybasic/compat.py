@@ -166,6 +166,12 @@ def is_static_cache(cache) -> bool:
     return isinstance(cache, StaticCache)
 
 
+# transformers >= 5.24 takes a static cache in its own assisted decoding (it crops a static layer by
+# moving its length) and then compiles the target's forward on a GPU; earlier releases refuse it
+# ("assisted generate is not supported with Static cache classes")
+ASSISTED_DECODING_TAKES_STATIC_CACHE = TRANSFORMERS_VERSION >= Version("5.24.0")
+
+
 def forget_generate_static_cache(model, cache) -> None:
     """transformers up to 5.14 at least keeps the `StaticCache` that `generate` built for
     ``cache_implementation="static"`` on the model (``_cache``) and reuses it at the next such call,

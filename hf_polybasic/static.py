@@ -420,17 +420,28 @@ class StaticRunner:
 
 
 
+def compile_problem(model: torch.nn.Module) -> str | None:
+    """Why ``model``'s forwards should not be compiled now, or None (checked at every call: hooks
+    come and go): forward hooks on it or a submodule run Python at every forward (accelerate's
+    device hooks move weights, a restricted vocabulary grows its output layer), which a graph
+    would either freeze or break on."""
+    hooked = next((name or type(model).__name__ for name, module in model.named_modules()
+                   if module._forward_hooks or module._forward_pre_hooks), None)
+    if hooked is not None:
+        return f"it has forward hooks ({hooked}: Python run at every forward, e.g. accelerate's or a counter's)"
+    return None
+
+
 # --- which models a StaticRunner takes ------------------------------------------------------------------
 _problems: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def static_problem(model: torch.nn.Module) -> str | None:
     """Why ``model`` cannot decode exactly on a `StaticRunner`, or None (checked once per model):
-    recurrent or windowed layers, an attention implementation that takes no explicit mask, forward
-    hooks (Python run on every forward: accelerate's offloading, a restricted vocabulary's growth),
-    or a probe whose logits differ from full forwards: two rows of different lengths fed together,
-    one rolled back and fed other tokens (a model that builds its own mask or position bias from a
-    2-D attention mask, such as BLOOM's ALiBi, fails it)."""
+    recurrent or windowed layers, an attention implementation that takes no explicit mask, or a
+    probe whose logits differ from full forwards: two rows of different lengths fed together, one
+    rolled back and fed other tokens (a model that builds its own mask or position bias from a 2-D
+    attention mask, such as BLOOM's ALiBi, fails it)."""
     with _pool_lock:
         if model in _problems:
             return _problems[model]
@@ -454,8 +465,6 @@ def _find_problem(model: torch.nn.Module) -> str | None:
     implementation = compat_static.attention_implementation(model)
     if implementation not in ("sdpa", "eager"):
         return f"its attention implementation {implementation!r} takes no explicit attention mask (sdpa and eager do)"
-    if model._forward_hooks or model._forward_pre_hooks:
-        return "it has forward hooks (Python run at every forward, e.g. accelerate's offloading or a restricted vocabulary)"
     a, b = _probe_ids(model, 16, seed=2), _probe_ids(model, 8, seed=3)
     steps = [{0: (a[:2], 1), 1: (b[:2], 1)}, {0: (a[:12], 3), 1: (b[:3], 1)}, {0: (torch.cat([a[:6], b[:5]]), 3),
                                                                                1: (b[:8], 3)}]

@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 
+from hf_polybasic import compat
 from hf_polybasic.levels import early_exit
 from hf_polybasic.tools import cli, gpu_bench
 from hf_polybasic.tools.harness import timed_call
@@ -20,7 +21,8 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 def test_tiny_cpu_run_reports_every_method_and_writes_json(tmp_path, capsys):
     assert cli.main(["gpu-bench", "--device", "cpu", "--tiny", "--output", str(tmp_path), "--no-progress"]) == 0
     printed = capsys.readouterr().out
-    for heading in ("## Levels: agreement with the target and T(k)", "## Batch 1", "## Batch 4", "## Batch 8",
+    for heading in ("## Levels: agreement with the target and T(k) (measured through the dynamic runner)", "## Batch 1",
+                    "## Batch 4", "## Batch 8",
                     "## The synthetic drafter against the theory"):
         assert heading in printed
     assert (tmp_path / "gpu_bench.md").read_text().strip() == printed.strip()
@@ -30,7 +32,11 @@ def test_tiny_cpu_run_reports_every_method_and_writes_json(tmp_path, capsys):
 
     by_batch = result["summary"]["by_batch"]
     assert set(by_batch) == {"1", "4", "8"}
-    assert set(by_batch["1"]) == {"plain", "hf-assisted", "ours-2", "ours-3", "ours-2-synthetic", "ours-3-synthetic"}
+    expected = {"plain", "plain-static", "hf-assisted", "ours-2", "ours-2-compiled", "ours-2-eager", "ours-2-k4", "ours-3",
+                "ours-2-synthetic", "ours-3-synthetic"}
+    if compat.ASSISTED_DECODING_TAKES_STATIC_CACHE:
+        expected.add("hf-assisted-static")  # transformers >= 5.24
+    assert set(by_batch["1"]) == expected
     assert set(by_batch["8"]) == set(gpu_bench.BATCHED_METHODS)  # transformers' assisted generation takes one row
     # an fp32 target on the CPU: every method reproduces plain generate exactly
     assert result["mismatches"] == []
@@ -38,6 +44,8 @@ def test_tiny_cpu_run_reports_every_method_and_writes_json(tmp_path, capsys):
         for row in rows.values():
             assert row["identical_rows"] == row["rows"] > 0 and row["tokens_per_second"] > 0 and row["speedup"] > 0
     assert by_batch["1"]["plain"]["speedup"] == pytest.approx(1.0)
+    assert by_batch["1"]["plain-static"]["speedup_over_plain_static"] == pytest.approx(1.0)
+    assert by_batch["1"]["ours-2-compiled"]["speedup_over_plain_static"] > 0
     for name in ("plain", "hf-assisted", "ours-2", "ours-2-synthetic"):
         assert by_batch["1"][name]["efficiency"] > 0
     # every row generated the whole budget

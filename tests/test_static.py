@@ -102,8 +102,11 @@ def test_models_the_static_runner_refuses_say_why(shared_models):
     bloom = shared_models.built(("static", "bloom"), lambda: tiny_chain("bloom", depth=1))[0]
     assert "static cache" in static_problem(bloom)  # BLOOM builds ALiBi from a 2-D mask
     hooked = make_target("llama", seed=5)
-    hooked.register_forward_pre_hook(lambda module, args: None)
-    assert "forward hooks" in static_problem(hooked)
+    handle = hooked.model.layers[0].register_forward_pre_hook(lambda module, args: None)
+    assert static_problem(hooked) is None  # a hook runs as well on a static cache, uncompiled
+    assert "forward hooks (model.layers.0" in static.compile_problem(hooked)
+    handle.remove()
+    assert static.compile_problem(hooked) is None
     eager = make_target("llama", seed=6)
     eager.config._attn_implementation = "flash_attention_2"
     assert "takes no explicit attention mask" in static_problem(eager)
@@ -149,6 +152,19 @@ def test_a_model_the_static_runner_refuses_keeps_the_dynamic_cache_with_a_warnin
                       polybasic_config=hp.PolybasicConfig(schedule="constant"))
     assert torch.equal(out.sequences, mistral.generate(ids, do_sample=False, max_new_tokens=30))
     assert [level.runner for level in out.polybasic_stats.levels] == ["dynamic", "dynamic"]
+
+
+def test_a_hooked_model_runs_static_uncompiled_with_a_warning():
+    target, m2 = tiny_chain("llama", depth=2, seed=3)
+    counted = []
+    handle = target.register_forward_pre_hook(lambda module, args: counted.append(1))
+    ids = prompt(6, seed=15)
+    with pytest.warns(UserWarning, match=r"runs target M1 LlamaForCausalLM on a static cache, uncompiled: it has forward"):
+        out = _greedy(target, [m2], ids, polybasic_config=hp.PolybasicConfig(compile=True, schedule="constant"))
+    handle.remove()
+    assert torch.equal(out.sequences, target.generate(ids, do_sample=False, max_new_tokens=30))
+    assert [level.runner for level in out.polybasic_stats.levels] == ["static", "static, compiled"]
+    assert len(counted) >= out.polybasic_stats.levels[0].forward_passes
 
 
 def test_a_prefilled_static_cache_is_refused():

@@ -85,6 +85,22 @@ def cost_key(model: torch.nn.Module) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:20]
 
 
+RUNNERS = ("dynamic", "static", "compiled")
+
+
+def measuring_runner(model: torch.nn.Module, runner: str, longest: int, clock: Clock = DEFAULT_CLOCK):
+    """A runner of the kind decoding uses (``runner``: "dynamic" `CachedModel`, "static" or "compiled"
+    `StaticRunner`), so that a curve holds what that runner's forwards cost: a static runner's are
+    padded to its widths (a step function of k) and a compiled one's run as graphs."""
+    if runner not in RUNNERS:
+        raise ValueError(f"runner must be one of {RUNNERS}, got {runner!r}")
+    if runner == "dynamic":
+        return CachedModel(model, new_dynamic_cache(model), role="measured model", clock=clock)
+    from ..static import StaticRunner, capacity_for
+
+    return StaticRunner(model, "measured model", capacity_for(longest), clock=clock, compiled=runner == "compiled")
+
+
 @torch.no_grad()
 def measure_curve(
     model: torch.nn.Module,
@@ -92,19 +108,24 @@ def measure_curve(
     context: int = CALIBRATION_CONTEXT,
     repeats: int = 3,
     clock: Clock = DEFAULT_CLOCK,
+    runner: str = "dynamic",
 ) -> CostCurve:
     """Measure T(k) of ``model`` for each k in ``tokens`` after ``context`` cached tokens: two untimed
-    forwards of every size first (weights paged in, kernels built for each shape), then ``repeats``
-    timed rounds over all sizes (interleaved, so drift hits every size alike); the median of each.
-    Uses its own cache and changes nothing."""
+    forwards of every size first (weights paged in, kernels built (or graphs compiled) for each
+    shape), then ``repeats`` timed rounds over all sizes (interleaved, so drift hits every size
+    alike); the median of each. ``runner``: the kind of runner the forwards go through
+    (`measuring_runner`). Uses its own cache and changes nothing."""
     vocab = model.config.get_text_config(decoder=True).vocab_size
     device = next(model.parameters()).device
     prefix = (torch.arange(context, device=device) * 7919 % max(vocab - 3, 1)) + 3
-    runner = CachedModel(model, new_dynamic_cache(model), role="measured model", clock=clock)
+    kind, runner = runner, measuring_runner(model, runner, context + max(int(k) for k in tokens) + 1, clock)
     runner.logits(prefix, 1)
     sizes = [int(k) for k in tokens]
     for k in sizes:
         _forward_times(model, prefix, k, 1, clock, runner)  # its own warm-up run plus one more
     rounds = [[_forward_times(model, prefix, k, 0, clock, runner, warm=False)[0] for k in sizes] for _ in range(repeats)]
+    if hasattr(runner, "close"):
+        runner.close()
     points = {k: max(statistics.median(r[i] for r in rounds), 1e-9) for i, k in enumerate(sizes)}
-    return CostCurve(points, context, {"model": model_description(model), "machine": machine_description(model)})
+    return CostCurve(points, context, {"model": model_description(model), "machine": machine_description(model),
+                                       "runner": kind})

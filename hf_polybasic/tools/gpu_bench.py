@@ -43,7 +43,7 @@ from pathlib import Path
 
 import torch
 
-from ..compat import accepts_logits_to_keep
+from ..compat import ASSISTED_DECODING_TAKES_STATIC_CACHE, accepts_logits_to_keep
 from ..config import PolybasicConfig
 from ..costs import forward_cost, measure_curve
 from ..levels import early_exit
@@ -59,7 +59,8 @@ from .synthetic import PAD, SHAPES, ReferenceDrafter, build_target, model_config
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 KEY_TOKENS = 8  # the synthetic drafter tells prompts apart by their first tokens
 WARMUP_TOKENS = 8
-BATCHED_METHODS = ("plain", "ours-2", "ours-3", "ours-2-synthetic")
+BATCHED_METHODS = ("plain", "plain-static", "ours-2", "ours-2-eager", "ours-3", "ours-2-synthetic")
+BASELINES = ("plain", "plain-static")  # speedups are reported over each
 
 
 class GpuBenchError(RuntimeError):
@@ -221,10 +222,13 @@ def _options(max_new_tokens: int) -> dict:
 
 
 def _methods(bench: Bench, settings: GpuBenchSettings, drafter_seconds: float, vocab: int) -> list[BenchMethod]:
-    """The compared methods (K = ``num_draft_tokens`` for every drafter): plain generate,
-    transformers' assisted generation with the drafter exit, ours with the default configuration
-    over the exits (2 and 3 levels), and ours over the synthetic drafter with the constant schedule
-    (2 and 3 levels), whose fixed K the theory assumes."""
+    """The compared methods (K = ``num_draft_tokens`` for every drafter): plain generate, eager and
+    with a static cache (which transformers compiles on a GPU: a GPU user's real baseline),
+    transformers' assisted generation with the drafter exit (and, where the release takes one, with
+    a static cache), ours with the default configuration over the exits (2 and 3 levels; compiled
+    on a GPU), ours uncompiled (the dynamic runner), ours with a constant K, and ours over the
+    synthetic drafter with the constant schedule (2 and 3 levels), whose fixed K the theory assumes.
+    On the CPU, ours compiled explicitly too (the CPU proxy of the GPU path)."""
     draft, half, labels = bench.models["draft"], bench.models["half"], bench.labels
     k = settings.num_draft_tokens
     default = PolybasicConfig(num_draft_tokens=k)
@@ -234,16 +238,30 @@ def _methods(bench: Bench, settings: GpuBenchSettings, drafter_seconds: float, v
         return ReferenceDrafter(settings.acceptance, k, drafter_seconds, vocab, seed=seed, key_tokens=KEY_TOKENS)
 
     two, three = synthetic(settings.seed + 2), synthetic(settings.seed + 3)
-    return [
+    methods = [
         BenchMethod(plain(), ("target",)),
+        BenchMethod(plain("plain-static", static=True), ("target",)),
         BenchMethod(hf_assisted(draft, labels["draft"], k), ("target", "draft"), assistant=draft),
+    ]
+    if ASSISTED_DECODING_TAKES_STATIC_CACHE:
+        methods.append(BenchMethod(hf_assisted(draft, labels["draft"], k, "hf-assisted-static", static=True),
+                                   ("target", "draft"), assistant=draft))
+    methods += [
         BenchMethod(polybasic([draft], [labels["draft"]], default, "ours-2"), ("target", "draft")),
+        BenchMethod(polybasic([draft], [labels["draft"]], replace(default, compile=False), "ours-2-eager"),
+                    ("target", "draft")),
+        BenchMethod(polybasic([draft], [labels["draft"]], constant, f"ours-2-k{k}"), ("target", "draft")),
         BenchMethod(polybasic([half, draft], [labels["half"], labels["draft"]], default, "ours-3"),
                     ("target", "half", "draft")),
         BenchMethod(polybasic([two], [repr(two)], constant, "ours-2-synthetic"), ("target", "synthetic"), two),
         BenchMethod(polybasic([half, three], [labels["half"], repr(three)], constant, "ours-3-synthetic"),
                     ("target", "half", "synthetic"), three),
     ]
+    if not bench.cuda:  # ours-2 is compiled by default on a GPU only: the CPU proxy of that path
+        methods.insert(methods.index(next(m for m in methods if m.method.name == "ours-2-eager")),
+                       BenchMethod(polybasic([draft], [labels["draft"]], replace(default, compile=True),
+                                             "ours-2-compiled"), ("target", "draft")))
+    return methods
 
 
 def _call(target, bm: BenchMethod, unit: Unit, max_new_tokens: int, cuda: bool) -> dict:
@@ -255,7 +273,7 @@ def _call(target, bm: BenchMethod, unit: Unit, max_new_tokens: int, cuda: bool) 
     before = torch.cuda.memory_allocated(target.device) / 2**20 if cuda else None
     with counter or contextlib.nullcontext():
         timing = timed_call(lambda: bm.method.run(target, unit.inputs, _options(max_new_tokens)), target=target,
-                            sample_rss=not cuda)
+                            sample_rss=not cuda, count_forwards=not bm.method.polybasic)
     width = unit.inputs["input_ids"].shape[1]
     sequences = timing.output if isinstance(timing.output, torch.Tensor) else timing.output.sequences
     outputs = sequences[:, width:].tolist()
@@ -263,7 +281,7 @@ def _call(target, bm: BenchMethod, unit: Unit, max_new_tokens: int, cuda: bool) 
     record = {
         "seconds": timing.seconds,
         "new_tokens": sum(len(row) for row in outputs),
-        "target_forwards": timing.target_forwards,
+        "target_forwards": timing.target_forwards if stats is None else stats.levels[0].forward_passes,
         "assistant_forwards": None if counter is None else counter.count,
         "cuda_before_mib": before,
         "cuda_peak_mib": timing.cuda_peak_mib,
@@ -415,6 +433,10 @@ def _run(settings: GpuBenchSettings) -> dict:
     bench.phase_done("warm-up", started)
 
     started = time.perf_counter()
+    profiled = _profile(bench, _for_batch(methods, 1), single[0]) if single else {}
+    bench.phase_done("profile", started)
+
+    started = time.perf_counter()
     runs, repeats_run, cut = _timed(bench, methods, units, curves, prefills)
     bench.phase_done("timed", started)
 
@@ -442,6 +464,8 @@ def _run(settings: GpuBenchSettings) -> dict:
                      "levels": list(bm.levels)} for bm in methods],
         "units": [{"name": u.name, "prompt_tokens": [len(p) for p in u.prompts]} for u in units],
         "reference_seconds": reference_seconds,
+        "cost_runner": cost_runner(bench),
+        "profile": profiled,
         "repeats_run": repeats_run,
         "cut": cut,
         "runs": runs,
@@ -476,13 +500,48 @@ def _build(bench: Bench):
 
 
 def _costs(bench: Bench, prompt_lengths: list[int]) -> tuple[dict, dict]:
-    """T(k) of every model level, and its prefill of every prompt length (seconds)."""
-    curves = {name: measure_curve(model, tokens=bench.settings.cost_tokens, repeats=3)
+    """T(k) of every model level, through the runner ours' default uses on this device (compiled on a
+    GPU: `cost_runner`), and its prefill of every prompt length (seconds)."""
+    curves = {name: measure_curve(model, tokens=bench.settings.cost_tokens, repeats=3, runner=cost_runner(bench))
               for name, model in bench.models.items()}
     first = torch.tensor([3], device=bench.device)
     prefills = {name: {n: forward_cost(model, first, n - 1, repeats=2) for n in prompt_lengths}
                 for name, model in bench.models.items()}
     return curves, prefills
+
+
+def cost_runner(bench: Bench) -> str:
+    """The runner ours' default configuration decodes with here (`PolybasicConfig.compiles`)."""
+    return "compiled" if PolybasicConfig().compiles(bench.device) else "dynamic"
+
+
+def _profile(bench: Bench, methods: list[BenchMethod], unit: Unit) -> dict:
+    """One call of every method on ``unit`` under ``torch.profiler`` (GPU only): the call's host time
+    (wall), the GPU's busy time (its kernels' own time), kernel and graph launches, and the host's
+    waits for the GPU (synchronizations). A call costs the larger of host and GPU time only when the
+    host never waits; their sum when it waits at every forward."""
+    if not bench.cuda:
+        return {}
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    found = {}
+    for bm in methods:
+        try:
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as profiler:
+                started = time.perf_counter()
+                _call(bench.target, bm, unit, bench.settings.max_new_tokens, bench.cuda)
+                host = time.perf_counter() - started
+            events = profiler.key_averages()
+            gpu = sum(e.self_device_time_total for e in events if e.device_type == DeviceType.CUDA) / 1e6
+            launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cuLaunchKernel",
+                                                                  "cudaLaunchKernelExC", "cudaGraphLaunch"))
+            waits = sum(e.count for e in events if e.key in ("cudaDeviceSynchronize", "cudaStreamSynchronize",
+                                                              "cudaEventSynchronize"))
+            found[bm.method.name] = {"host_s": host, "gpu_s": gpu, "launches": launches, "synchronizations": waits}
+        except Exception as error:  # noqa: BLE001 - a profiler problem is reported, not fatal
+            found[bm.method.name] = {"error": f"{type(error).__name__}: {error}"}
+    return found
 
 
 def _references(bench: Bench, units: list[Unit]) -> dict:
@@ -628,11 +687,13 @@ def summarise(result: dict, methods: list[BenchMethod], settings: GpuBenchSettin
                 "cuda_over_weights_mib": max(over) if over else None,
                 "rss_peak_mib": max(rss) if rss else None,
             }
-        plain_speeds = rows.get("plain", {}).get("per_unit_tokens_per_second")
-        for name, row in rows.items():
-            mine = row["per_unit_tokens_per_second"]
-            row["speedup"] = speedup([mine[u] for u in sorted(mine)], [plain_speeds[u] for u in sorted(mine)]) \
-                if plain_speeds and set(mine) <= set(plain_speeds) else None
+        for baseline in BASELINES:
+            base = rows.get(baseline, {}).get("per_unit_tokens_per_second")
+            for name, row in rows.items():
+                mine = row["per_unit_tokens_per_second"]
+                key = "speedup" if baseline == "plain" else f"speedup_over_{baseline.replace('-', '_')}"
+                row[key] = speedup([mine[u] for u in sorted(mine)], [base[u] for u in sorted(mine)]) \
+                    if base and set(mine) <= set(base) else None
         table[size] = rows
     return {"by_batch": table, "theory": _theory(result, methods, settings, table.get(1, {}))}
 
@@ -707,7 +768,8 @@ def markdown(result: dict) -> str:
         lines.append(f"**Cut short**: {result['cut']}.")
     if model["weights_mib"] is not None:
         lines.append(f"GPU memory of the weights: {model['weights_mib'] / 1024:.1f} GiB (every level shares them).")
-    lines += ["", "## Levels: agreement with the target and T(k)", ""]
+    lines += ["", f"## Levels: agreement with the target and T(k) (measured through the {result.get('cost_runner', 'dynamic')} "
+              "runner)", ""]
     points = list(result["levels"][0]["ratios"])
     lines.append("| level | layers | greedy agreement: set / measured | T(1) ms | cost / target's | "
                  + " | ".join(f"T({k})/T(1)" for k in points) + " |")
@@ -726,17 +788,30 @@ def markdown(result: dict) -> str:
         lines += ["", f"## Batch {size}" + (" (one prompt at a time; speedup: mean tokens/s over the prompts)" if int(size) == 1
                                            else " (transformers' assisted generation takes one row: ours against plain "
                                                 "batched generate)"), ""]
-        lines.append("| method | tokens/s | speedup over plain | rows identical to plain | target L (tau) | "
-                     "efficiency (forwards-only time / measured) | peak GPU memory GiB (over the weights) |")
-        lines.append("|---|---|---|---|---|---|---|")
+        lines.append("| method | tokens/s | speedup over plain | over plain static | rows identical to plain | "
+                     "target L (tau) | efficiency (forwards-only time / measured) | peak GPU memory GiB (over the "
+                     "weights) |")
+        lines.append("|---|---|---|---|---|---|---|---|")
         for name, row in rows.items():
             memory = "-" if row["cuda_peak_mib"] is None else \
                 f"{row['cuda_peak_mib'] / 1024:.2f} (+{row['cuda_over_weights_mib'] / 1024:.2f})"
             lines.append(
                 f"| {name} | {row['tokens_per_second']:.1f} | **{_f(row['speedup'])}x** | "
+                f"{_f(row.get('speedup_over_plain_static'))}x | "
                 f"{row['identical_rows']}/{row['rows']} | {_f(row['target_acceptance_length'])} | "
                 f"{_f(row['efficiency'])} | {memory} |"
             )
+    if result.get("profile"):
+        lines += ["", "## Host and GPU time of one call (batch 1, first prompt, under torch.profiler)", "",
+                  "| method | host s | GPU busy s | host / GPU | kernel and graph launches | host waits for the GPU |",
+                  "|---|---|---|---|---|---|"]
+        for name, row in result["profile"].items():
+            if "error" in row:
+                lines.append(f"| {name} | {row['error']} | | | | |")
+                continue
+            ratio = row["host_s"] / row["gpu_s"] if row["gpu_s"] else None
+            lines.append(f"| {name} | {row['host_s']:.3f} | {row['gpu_s']:.3f} | {_f(ratio)} | {row['launches']} | "
+                         f"{row['synchronizations']} |")
     theory_rows = result["summary"]["theory"]
     if theory_rows:
         lines += ["", "## The synthetic drafter against the theory (batch 1)", "",

@@ -100,11 +100,14 @@ class Timing:
     cuda_peak_mib: float | None = None
 
 
-def timed_call(fn: Callable[[], Any], target: torch.nn.Module | None = None, sample_rss: bool = True) -> Timing:
+def timed_call(fn: Callable[[], Any], target: torch.nn.Module | None = None, sample_rss: bool = True,
+               count_forwards: bool = True) -> Timing:
     """Call ``fn()`` once, timing it; count ``target``'s forward calls when given (and on a GPU,
-    synchronize its devices around the clock and record their peak memory)."""
+    synchronize its devices around the clock and record their peak memory). ``count_forwards=False``
+    leaves the target without the counting hook (a hook keeps hf_polybasic from compiling a model:
+    our calls count their forwards in their statistics)."""
     rss = RssSampler() if sample_rss else None
-    counter = ForwardCounter(target) if target is not None else None
+    counter = ForwardCounter(target) if target is not None and count_forwards else None
     devices = cuda_devices(target) if target is not None else ()
     synchronize(devices)  # earlier work queued on the GPU is not this call's
     for device in devices:

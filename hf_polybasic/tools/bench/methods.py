@@ -75,13 +75,16 @@ class Method:
 
 
 # ------------------------------------------------------------------------------------- factories
-def plain(name: str = "plain") -> Method:
-    """transformers' own ``generate``: the baseline."""
+def plain(name: str = "plain", static: bool = False) -> Method:
+    """transformers' own ``generate``: the baseline. ``static``: with ``cache_implementation="static"``,
+    which on a GPU makes transformers compile the forward itself (a GPU user's fastest plain decoding)."""
+    extra = {"cache_implementation": "static"} if static else {}
 
     def run(target, inputs, options):
-        return target.generate(**inputs, **options)
+        return target.generate(**inputs, **extra, **options)
 
-    return Method(name, "plain", "transformers generate (baseline)", {}, run)
+    description = "transformers generate" + (" with a static cache (compiled on a GPU)" if static else " (baseline)")
+    return Method(name, "plain", description, extra, run)
 
 
 def hf_assisted(
@@ -91,6 +94,7 @@ def hf_assisted(
     name: str = "hf-assisted",
     schedule: str = "constant",
     confidence_threshold: float = 0.0,
+    static: bool = False,
 ) -> Method:
     """transformers' ``assistant_model=``.
 
@@ -100,17 +104,22 @@ def hf_assisted(
     transformers' defaults as a user gets them (5.23: 20 tokens, constant, confidence threshold
     0.4, adapted online only when scikit-learn is installed). The assistant's generation-config
     fields are set for the call and restored afterwards (`hf_polybasic.tools.assisted`).
+    ``static``: the target on a static cache (transformers >= 5.24 takes one in assisted decoding
+    and then compiles the target's forward on a GPU; `compat.ASSISTED_DECODING_TAKES_STATIC_CACHE`).
     """
     settings = assistant_settings(num_assistant_tokens, schedule, confidence_threshold)
+    extra = {"cache_implementation": "static"} if static else {}
 
     def run(target, inputs, options):
-        return assisted_generate(target, assistant, settings, **inputs, **options)
+        return assisted_generate(target, assistant, settings, **inputs, **extra, **options)
 
     if num_assistant_tokens is None:
         description = f"transformers assistant_model= {label} (transformers' defaults)"
     else:
         description = f"transformers assistant_model= {label} (K={num_assistant_tokens}, {schedule} schedule)"
-    return Method(name, "hf-assisted", description, {"assistant": label, **settings}, run)
+    if static:
+        description += ", static cache (the target compiled on a GPU)"
+    return Method(name, "hf-assisted", description, {"assistant": label, **settings, **extra}, run)
 
 
 def hf_prompt_lookup(num_tokens: int = 8, max_matching_ngram_size: int = 3, name: str = "hf-lookup") -> Method:
