@@ -21,7 +21,7 @@ import warnings
 
 import torch
 
-from . import four_bit
+from . import four_bit, int4
 from .drafters import Drafter, PromptLookup  # re-exported: every kind of level is reachable from here
 from .four_bit import FOUR_BIT_METHODS
 from .modules import module_view, replace_modules
@@ -39,7 +39,8 @@ CPU_FOUR_BIT_WARNING = (
 )
 
 
-def quantized_copy(target: torch.nn.Module, method: str = "int8-dynamic") -> torch.nn.Module:
+def quantized_copy(target: torch.nn.Module, method: str = "int8-dynamic", *, group_size: int | None = None
+                   ) -> torch.nn.Module:
     """A cheaper copy of ``target`` for use as an intermediate level or drafter.
 
     ``method`` is one of:
@@ -51,8 +52,12 @@ def quantized_copy(target: torch.nn.Module, method: str = "int8-dynamic") -> tor
       ``torch.ao.quantization.quantize_dynamic``. That API is deprecated in favour of torchao,
       whose int8 weight-only path has no fast CPU kernel yet; it is wrapped here so the rest of
       the package does not depend on it.
-    - ``"int4"``: 4-bit integer weights (groups of 128) with bf16 compute through torchao's CPU
-      kernel (`hf_polybasic.four_bit`; CPU only; ``pip install "hf_polybasic[quant4]"``).
+    - ``"int4"``: 4-bit integer weights (asymmetric, per group of ``group_size`` input features:
+      128 by default, or 32, 64, 256) with bf16 compute through torch's own int4 kernels
+      (`hf_polybasic.int4`: tinygemm on a CUDA GPU of compute capability 8.0 or newer, its CPU
+      twin on the CPU; nothing to install). Made on the device the target is on (the layout is
+      the device's), layer by layer. Every linear layer but the output layer needs
+      ``out_features`` a multiple of 16 and ``in_features`` a multiple of the group size.
     - ``"nf4"``: 4-bit NormalFloat weights with bf16 compute through bitsandbytes: on the CPU
       layer by layer (`hf_polybasic.four_bit`; fast where the CPU has AVX512-BF16); on a CUDA GPU
       through transformers' ``BitsAndBytesConfig`` (the target is saved to a temporary directory
@@ -64,8 +69,12 @@ def quantized_copy(target: torch.nn.Module, method: str = "int8-dynamic") -> tor
     """
     if method not in QUANTIZATION_METHODS:
         raise ValueError(f"quantized_copy: unknown method {method!r}; choose one of {QUANTIZATION_METHODS}")
+    if group_size is not None and method != "int4":
+        raise ValueError(f"quantized_copy: group_size is an option of method='int4', not of {method!r}")
     if method == "nf4" and next(target.parameters()).device.type == "cuda":
         return _nf4(target)
+    if method == "int4":
+        return _int4_copy(target, int4.DEFAULT_GROUP_SIZE if group_size is None else group_size)
     if method in FOUR_BIT_METHODS:
         return _four_bit_copy(target, method)
     if method in ("bf16", "fp16"):
@@ -88,27 +97,49 @@ def _int8_dynamic_copy(source: torch.nn.Module) -> torch.nn.Module:
     return clone.float().eval()
 
 
-def _four_bit_copy(source: torch.nn.Module, method: str) -> torch.nn.Module:
+def _int4_copy(source: torch.nn.Module, group_size: int) -> torch.nn.Module:
+    """The int4 copy through torch's own kernels (`hf_polybasic.int4`), on the source's device(s):
+    every layer's shape is checked (naming it) before anything is copied."""
+    devices = {p.device for p in source.parameters()}
+    for device in devices:
+        int4.check_device(device)
+    head = _output_layer(source)
+    for name, module in source.named_modules():
+        if type(module) is torch.nn.Linear and module is not head:
+            try:
+                int4.check_shape(module.out_features, module.in_features, group_size)
+            except ValueError as error:
+                raise ValueError(f"quantized_copy(method='int4'): layer {name!r}: {error}") from None
+    return _four_bit_copy(source, "int4", lambda linear: int4.Int4Linear.from_linear(linear, group_size),
+                          warn={d.type for d in devices} == {"cpu"}, stacklevel=4)
+
+
+def _four_bit_copy(source: torch.nn.Module, method: str, convert_linear=None, warn: bool = True,
+                   stacklevel: int = 3) -> torch.nn.Module:
     """A bf16 copy whose linear layers (all but the output layer) are 4-bit, built layer by layer
-    from the source's weights, holding none of the source's tensors."""
-    devices = {p.device.type for p in source.parameters()}
-    if devices != {"cpu"}:
-        raise ValueError(
-            f"quantized_copy(method={method!r}) on the CPU needs the model on the CPU; it is on {sorted(devices)}. "
-            "On a GPU use method='nf4' with the whole model on the GPU, or 'bf16'/'fp16'"
-        )
-    four_bit.require(method)  # a clear ImportError naming the extra, before anything is copied
+    from the source's weights, holding none of the source's tensors. ``convert_linear`` makes one
+    4-bit layer (default: `four_bit.convert_linear`, on the CPU, through torchao or bitsandbytes)."""
+    if convert_linear is None:
+        devices = {p.device.type for p in source.parameters()}
+        if devices != {"cpu"}:
+            raise ValueError(
+                f"quantized_copy(method={method!r}) on the CPU needs the model on the CPU; it is on {sorted(devices)}. "
+                "On a GPU use method='int4' or 'nf4' with the whole model on the GPU, or 'bf16'/'fp16'"
+            )
+        four_bit.require(method)  # a clear ImportError naming the extra, before anything is copied
+        convert_linear = lambda linear: four_bit.convert_linear(linear, method)  # noqa: E731
     clone = copy.deepcopy(source, memo=_linear_only_tensors(source))  # linear weights referenced, not copied
-    head = clone.get_output_embeddings() if hasattr(clone, "get_output_embeddings") else None
+    head = _output_layer(clone)
 
     def convert(linear: torch.nn.Linear) -> torch.nn.Module:
         if linear is head:
             return _float_linear(linear, torch.bfloat16)
-        return four_bit.convert_linear(linear, method)
+        return convert_linear(linear)
 
     replace_modules(clone, torch.nn.Linear, convert)
-    warnings.warn(CPU_FOUR_BIT_WARNING.format(method=method), UserWarning, stacklevel=3)
-    four_bit_types = (four_bit.Int4Linear,) + ((four_bit.nf4_linear_type(),) if method == "nf4" else ())
+    if warn:
+        warnings.warn(CPU_FOUR_BIT_WARNING.format(method=method), UserWarning, stacklevel=stacklevel)
+    four_bit_types = (four_bit.Int4Linear, int4.Int4Linear) + ((four_bit.nf4_linear_type(),) if method == "nf4" else ())
     for module in clone.modules():
         if isinstance(module, four_bit_types):
             continue
@@ -120,6 +151,10 @@ def _four_bit_copy(source: torch.nn.Module, method: str) -> torch.nn.Module:
                 else:
                     module._buffers[name] = cast
     return clone.eval()
+
+
+def _output_layer(model: torch.nn.Module) -> torch.nn.Module | None:
+    return model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
 
 
 def _float_linear(layer: torch.nn.Linear, dtype: torch.dtype) -> torch.nn.Linear:
