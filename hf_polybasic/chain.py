@@ -35,7 +35,7 @@ from .drafters import AddedPromptLookup, Drafter
 from .drafting import DrafterLevel, ModelDrafter, ScheduledRows
 from .processing import DecodingRules, process_positions
 from .protocol import Block, Level, Proposal
-from .schedule import BatchGate, Schedule, make_schedule
+from .schedule import BatchGate, Schedule, ShapeGate, make_schedule
 from .static import StaticRunner, compile_problem, static_problem
 from .stats import LevelStats, PolybasicStats
 from .timing import DEFAULT_CLOCK, Clock, timed
@@ -166,15 +166,55 @@ class IntermediateLevel(ScheduledRows):
     drafts up to the budget (in a chain of n models every level drafts as soon as 2 tokens remain);
     `Block.extend` cuts the surplus, which can only be the verifier's own token (the cut block is
     still an autoregressive sample of this level's distribution, and its cache never held that token).
+
+    With a ``shape_gate`` (`hf_polybasic.schedule.ShapeGate`: the level right above a model drafter,
+    under the cost-aware schedule) the level is *bypassed* in the rounds the gate says: the drafter
+    proposes straight to the level above, under its ``bypass_schedules`` (priced by that level's
+    costs), and this level's model neither verifies nor runs (its cache catches up when it is back).
     """
 
-    def __init__(self, verifier: Verifier, schedules: dict[int, Schedule], clock: Clock = DEFAULT_CLOCK):
+    def __init__(self, verifier: Verifier, schedules: dict[int, Schedule], clock: Clock = DEFAULT_CLOCK,
+                 shape_gate: ShapeGate | None = None, bypass_schedules: dict[int, Schedule] | None = None):
         super().__init__()
         self.verifier, self.schedules, self.clock = verifier, schedules, clock
         self.stats = verifier.stats
         verifier.confidences = any(schedule.stops_per_token for schedule in schedules.values())
+        self.shape_gate, self.bypass_schedules = shape_gate, bypass_schedules
+        self._bypassing = False
+        self._own_schedules = None  # the drafter's schedules, while a bypassed round lends it others
+        self._before: tuple[int, int, int, int] | None = None
+
+    def _counts(self) -> tuple[int, int, int, int]:
+        """(this level's verifications, drafted, accepted, the drafter's forwards) so far."""
+        child = self.verifier.child
+        return (self.stats.verifications, self.stats.drafted, self.stats.accepted, child.runner.forward_passes)
+
+    def _bypass(self, requests: dict[int, tuple[torch.LongTensor, int]]) -> dict[int, Proposal]:
+        child = self.verifier.child
+        self._own_schedules, child.schedules = child.schedules, self.bypass_schedules
+        self._bypassing = True
+        return child.propose(requests)
+
+    def verified(self, kept: dict[int, int], seconds: float) -> None:
+        if not self._bypassing:
+            super().verified(kept, seconds)
+        else:  # the drafter's round under the level above: it learns and rolls back under the lent schedules
+            child = self.verifier.child
+            child.verified(kept, seconds)
+            child.schedules, self._bypassing = self._own_schedules, False
+            self.shape_gate.observe(len(kept), sum(kept.values()) + len(kept), sum(child._proposed[r] for r in kept),
+                                    self._counts()[3] - self._before[3])
+            return
+        if self.shape_gate is not None:
+            verifications, drafted, accepted, forwards = (now - then for now, then in zip(self._counts(), self._before))
+            self.shape_gate.observe(len(kept), sum(kept.values()) + len(kept), sum(self._proposed[r] for r in kept),
+                                    forwards, (verifications, accepted + verifications, drafted))
 
     def propose(self, requests: dict[int, tuple[torch.LongTensor, int]]) -> dict[int, Proposal]:
+        if self.shape_gate is not None:
+            self._before = self._counts()
+            if self.shape_gate.bypassed:
+                return self._bypass(requests)
         blocks, thresholds, building = {}, {}, []
         for row, (sequence, budget) in requests.items():
             thresholds[row] = self.schedules[row].length()
@@ -233,6 +273,29 @@ class ChainParts:
     verifier: type = Verifier
 
 
+def shape_probe_rounds(shape: ShapeGate) -> int:
+    """Rounds a gate bypasses its level only to measure the chain without it."""
+    from .schedule.shape_gate import OUT_ROUNDS, PROBE_ROUNDS
+
+    return OUT_ROUNDS + PROBE_ROUNDS * max(shape.decisions - 1, 0)
+
+
+_warned_sat_out: set[str] = set()
+
+
+def _warn_sat_out(name: str, reason: str) -> None:
+    """Once per level kind: a level the user passed sat out most of a call."""
+    kind = name.split(" ", 1)[-1]
+    if kind not in _warned_sat_out:
+        _warned_sat_out.add(kind)
+        warnings.warn(
+            f"hf_polybasic let {name} sit out: the chain ran faster without it ({reason}). Its drafts went straight "
+            "to the level above; polybasic_stats says in how many rounds (bypassed_rounds)",
+            UserWarning,
+            stacklevel=6,
+        )
+
+
 def level_names(target: torch.nn.Module, assistant_models: Sequence) -> list[str]:
     """"M1 <target class>", "M2 <class or Drafter repr>", ..., as in the statistics."""
     return [
@@ -276,6 +339,7 @@ class Chain:
     schedules: list
     estimates: list
     gate: BatchGate | None = None  # a batch's: whether the level under the target proposes at all
+    shape_gates: dict = field(default_factory=dict)  # level index -> its ShapeGate (whether it takes part)
 
     def finish(self, costs: CostCurves | None = None) -> PolybasicStats:
         """Fill in what the levels counted (forward passes, rounds sat out, forward costs) and let
@@ -295,6 +359,12 @@ class Chain:
                 runner.close()
             elif runner is not None:
                 level.runner = "dynamic"
+        for index, shape in self.shape_gates.items():
+            level = self.stats.levels[index]
+            level.bypassed_rounds = shape.bypassed_rounds
+            if shape.bypassed_rounds > shape_probe_rounds(shape):  # sat out beyond the gate's probes
+                level.sat_out = shape.describe()
+                _warn_sat_out(level.name, level.sat_out)
         return self.stats
 
 
@@ -401,6 +471,7 @@ def build_chain(
     added = int(isinstance(models[bottom], AddedPromptLookup))
     thresholds = config.thresholds_for(bottom - 1 - added)
     thresholds += (thresholds[-1] if thresholds else config.last_threshold,) * added
+    shape_gates: dict[int, ShapeGate] = {}
     for index in range(bottom - 1, 0, -1):  # intermediate levels, bottom-up
         samples = do_sample and not greedy_intermediates
         verifier = parts.verifier(runners[index], level, rules, stats.levels[index], samples, clock)
@@ -412,6 +483,18 @@ def build_chain(
             config.schedule, thresholds[index - 1], MAX_BLOCK_THRESHOLD, per_token=True,
             verifier_costs=shared[index - 1], step_seconds=step, static_check=False,
             gate=gate if index == 1 else None))
-        level = parts.intermediate(verifier, schedules[index], clock)
+        shape = {}
+        if index == bottom - 1 and runners[bottom] is not None and None not in estimates[index - 1 : bottom + 1]:
+            # the level right above a model drafter takes part only while Theorem 3.2 says it pays; when
+            # bypassed, the drafter proposes to the level above under schedules priced by its costs
+            drafter_step = estimates[bottom].seconds(count) / count
+            costs = (shared[index - 1].seconds, shared[index].seconds, shared[bottom].seconds)
+            shape = dict(shape_gate=ShapeGate(costs, models=(models[index - 1], models[index], models[bottom])),
+                         bypass_schedules=per_row(lambda: make_schedule(
+                             config.schedule, config.num_draft_tokens, MAX_DRAFT_TOKENS, per_token=True,
+                             verifier_costs=shared[index - 1], step_seconds=drafter_step,
+                             gate=gate if index == 1 else None)))
+            shape_gates[index] = shape["shape_gate"]
+        level = parts.intermediate(verifier, schedules[index], clock, **shape)
     top = parts.verifier(runners[0], level, rules, stats.levels[0], do_sample, clock)
-    return Chain(top, stats, runners, schedules, estimates, gate)
+    return Chain(top, stats, runners, schedules, estimates, gate, shape_gates)

@@ -39,6 +39,9 @@ class LevelStats:
             compiled" (`hf_polybasic.static`); "" for a `Drafter`.
         forward_widths: on a static runner, ``{padded width: decoding forwards}`` (each width is one
             shape, one compiled graph; prompt prefills not counted); empty otherwise.
+        bypassed_rounds: rounds of the level above in which this intermediate level sat out and the
+            level below proposed straight to it (`hf_polybasic.schedule.ShapeGate`).
+        sat_out: why it sat out beyond measuring the chain without it (Theorem 3.2's numbers), or "".
     """
 
     name: str
@@ -54,6 +57,8 @@ class LevelStats:
     forward_costs: dict[int, float] | None = None
     runner: str = ""
     forward_widths: dict[int, int] = field(default_factory=dict)
+    bypassed_rounds: int = 0
+    sat_out: str = ""
 
     @contextmanager
     def timed(self, clock: Clock = DEFAULT_CLOCK) -> Iterator[Span]:
@@ -93,6 +98,8 @@ class LevelStats:
         self.paused_rounds += other.paused_rounds
         self.forward_costs = other.forward_costs or self.forward_costs
         self.runner = self.runner or other.runner
+        self.bypassed_rounds += other.bypassed_rounds
+        self.sat_out = self.sat_out or other.sat_out
         for width, count in other.forward_widths.items():
             self.forward_widths[width] = self.forward_widths.get(width, 0) + count
 

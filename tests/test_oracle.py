@@ -431,6 +431,7 @@ def polybasic_generate(target, case: Case, resolved: Resolved):
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="hf_polybasic decodes this batch row by row")
         warnings.filterwarnings("ignore", message="hf_polybasic runs .* on a dynamic cache")
+        warnings.filterwarnings("ignore", message="hf_polybasic let .* sit out")
         if case.schedule == "cost_aware":
             with simulated_machine(cheap_drafting_costs(target, resolved.chain)) as simulated:
                 if resolved.stop_strings:  # enable() would route to the wall-clock generate: build the criterion
@@ -484,6 +485,7 @@ def check_statistics(case: Case, resolved: Resolved, stats) -> None:
         TALLY[f"{kind} proposed"] += level.proposed > 0
         TALLY[f"{kind} drafted to"] += level.drafted > 0
         TALLY[f"runner {level.runner}"] += level.forward_passes > 0
+        TALLY["bypassed middle levels"] += level.bypassed_rounds > 0
     if case.runner == "dynamic":
         assert all(level.runner in ("dynamic", "") for level in levels), f"static runners without asking: {lines}"
     if case.schedule in ("constant", "heuristic") and case.budget >= 2:
@@ -684,6 +686,7 @@ def test_every_kind_of_level_took_part():
     for schedule in SCHEDULES:
         assert TALLY[f"schedule {schedule}"] > 0, f"the {schedule} schedule never ran: {dict(TALLY)}"
     assert sum(TALLY[f"rows {rows}"] for rows in range(2, 6)) > 0, f"no batch ever ran: {dict(TALLY)}"
+    assert TALLY["bypassed middle levels"] > 0, f"no middle level was ever bypassed (ShapeGate): {dict(TALLY)}"
     for runner in ("dynamic", "static", "static, compiled"):
         assert TALLY[f"runner {runner}"] > 0, f"no model ever ran on the {runner} runner: {dict(TALLY)}"
     for arch in ARCHITECTURES:

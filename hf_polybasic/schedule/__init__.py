@@ -17,7 +17,8 @@ A schedule belongs to a proposing level (the child). The child asks `length` bef
 The pure math (expected tokens, the best length, the acceptance estimate) is in `rates`, the
 confidence-to-acceptance curves in `calibration`, the pause / probe states in `backoff`, and the
 back-off of a batch as a whole (its rows share every forward, so whether proposing pays is decided
-for all of them, by the clock) in `batch_gate`.
+for all of them, by the clock) in `batch_gate`, and whether a middle level takes part at all (Theorem
+3.2 on measured costs and acceptance) in `shape_gate`.
 
 Why every schedule is lossless: the length is chosen from the past only (acceptance counts,
 timings, and the tokens already drafted, which are all kept), never by dropping a drawn token, and
@@ -34,6 +35,7 @@ from .calibration import ConfidenceCalibration
 from .cost_aware import RESET_MARGIN, SAFETY_MARGIN, SAFETY_ROUNDS, WARMUP_ROUNDS, CostAwareSchedule
 from .fixed import ConstantSchedule, HeuristicSchedule
 from .rates import DECAY, acceptance_rate_estimate, best_length, expected_tokens, worth_one_more
+from .shape_gate import ShapeGate
 
 SCHEDULES = ("constant", "heuristic", "cost_aware")
 
@@ -87,6 +89,7 @@ __all__ = [
     "CostAwareSchedule",
     "HeuristicSchedule",
     "Schedule",
+    "ShapeGate",
     "acceptance_rate_estimate",
     "best_length",
     "expected_tokens",
