@@ -27,7 +27,7 @@ from hf_polybasic.levels import early_exit
 from hf_polybasic.protocol import Proposal
 from hf_polybasic.schedule.backoff import MAX_BACKOFF_ROUNDS
 from hf_polybasic.schedule.batch_gate import BLIND_LENGTH, PLAIN_FIRST_ROUNDS
-from hf_polybasic.schedule import batch_gate
+from hf_polybasic.schedule import batch_gate, cost_aware
 from hf_polybasic.schedule import (
     FIRST_BACKOFF_ROUNDS,
     SAFETY_MARGIN,
@@ -42,6 +42,7 @@ from hf_polybasic.schedule import (
     best_length,
     expected_tokens,
     make_schedule,
+    worth_more,
     worth_one_more,
 )
 import hf_polybasic as hp
@@ -118,6 +119,35 @@ def test_one_more_token_pays_exactly_when_it_raises_the_rounds_rate():
                                                               (1.0, 1.0, 1.0, 0.1, 0.1), (0.3, 0.2, 3.0, 0.3, 0.01)]:
         raised = (expected + survival * acceptance) / (seconds + marginal) > expected / seconds
         assert worth_one_more(survival, acceptance, expected, seconds, marginal) == raised
+
+
+def test_more_tokens_pay_when_some_extension_raises_the_rounds_rate():
+    # with one step it is the one-more rule
+    for case in [(0.9, 0.9, 4.0, 0.4, 0.05), (0.5, 0.5, 2.0, 0.2, 0.05), (0.3, 0.2, 3.0, 0.3, 0.01)]:
+        survival, acceptance, expected, seconds, marginal = case
+        assert worth_more(survival, acceptance, expected, seconds, [marginal]) == worth_one_more(*case)
+    # a costly step (0.35 s) then a flat stretch (0.05 s a token): the next token alone does not pay,
+    # five more do (0.73 (0.9 + ... + 0.9^5) tokens for 0.55 s against 3.44 tokens for 1.15 s)
+    steps = [0.35 + 0.05 * m for m in range(5)]
+    assert not worth_one_more(0.73, 0.9, 3.44, 1.15, steps[0])
+    assert worth_more(0.73, 0.9, 3.44, 1.15, steps)
+    assert not worth_more(0.73, 0.3, 3.44, 1.15, steps)  # unsure drafts: no extension pays
+
+
+def test_a_step_in_the_verification_cost_is_crossed_when_the_flat_stretch_beyond_pays(monkeypatch):
+    """A static runner pads verifications to widths: T_v flat to 4 tokens, one step, flat again (as 8
+    and 16 wide graphs cost about the same on a GPU). Sure drafts cross the step and fill the
+    proposal; the one-token rule stopped at it (3 drafts, a 4-wide verification)."""
+    curve = Curve(lambda k: 1.0 if k <= 4 else 1.3)
+
+    def drafted(lookahead):
+        monkeypatch.setattr(cost_aware, "LOOKAHEAD", lookahead)
+        schedule = CostAwareSchedule(4, 16, per_token=True, verifier_costs=curve, step_seconds=0.05)
+        for _ in range(40):
+            schedule.calibration.observe([0.9] * 6, accepted=6)
+        return _drafted_lengths(schedule, [0.9] * 20, rounds=1)[-1]
+
+    assert drafted(1) == 3 and drafted(16) == 16
 
 
 def test_calibration_learns_acceptance_by_confidence_from_revealed_tokens():

@@ -34,7 +34,7 @@ from .batch_gate import BatchGate
 from .calibration import ConfidenceCalibration
 from .cost_aware import RESET_MARGIN, SAFETY_MARGIN, SAFETY_ROUNDS, WARMUP_ROUNDS, CostAwareSchedule
 from .fixed import ConstantSchedule, HeuristicSchedule
-from .rates import DECAY, acceptance_rate_estimate, best_length, expected_tokens, worth_one_more
+from .rates import DECAY, acceptance_rate_estimate, best_length, expected_tokens, worth_more, worth_one_more
 from .shape_gate import ShapeGate
 
 SCHEDULES = ("constant", "heuristic", "cost_aware")
@@ -94,5 +94,6 @@ __all__ = [
     "best_length",
     "expected_tokens",
     "make_schedule",
+    "worth_more",
     "worth_one_more",
 ]

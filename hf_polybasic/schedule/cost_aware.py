@@ -6,11 +6,13 @@ overhead o; this level's proposals cost s per token (measured).
 
 * **A model level** (the bottom drafter, or an intermediate level: ``per_token``) proposes token by
   token and, after each, asks `keep_drafting` with its confidence in the token (its probability of
-  it; the token is kept either way). It goes on while one more token raises the round's expected
+  it; the token is kept either way). It goes on while drafting further raises the round's expected
   tokens per second: with S the probability that every token so far is accepted and a the
   predicted acceptance of the next one (both from the level's confidences,
-  `ConfidenceCalibration`), one more token adds S a tokens for s + T_v(j + 2) - T_v(j + 1) seconds,
-  against the round's E tokens for C seconds so far (`rates.worth_one_more`). Confident streaks
+  `ConfidenceCalibration`), m more tokens add S (a + ... + a^m) tokens for
+  m s + T_v(j + 1 + m) - T_v(j + 1) seconds, against the round's E tokens for C seconds so far, for
+  any m up to `LOOKAHEAD` (`rates.worth_more`): a step in T_v (a static runner's padded widths, a
+  CPU kernel's row blocks) is crossed when the flat stretch beyond it pays for it. Confident streaks
   (code, copied text) run long, up to ``maximum``; unsure tokens end the proposal; where a
   verification of k tokens costs about k steps the marginal cost is a whole step and proposals stay
   short.
@@ -39,7 +41,7 @@ from typing import Protocol
 from .backoff import MAX_BACKOFF_ROUNDS, BackOff
 from .batch_gate import BatchGate
 from .calibration import ConfidenceCalibration
-from .rates import acceptance_rate_estimate, best_length, decayed, worth_one_more
+from .rates import acceptance_rate_estimate, best_length, decayed, worth_more
 
 # verifications before the back-off judges the rounds and a Drafter's length moves (the first one,
 # which includes the prompt's prefill, never counts towards a yield or the overhead)
@@ -52,6 +54,8 @@ SAFETY_ROUNDS = 8
 SAFETY_MARGIN = 0.8
 # a probe after which proposing pays by this margin resets the back-off stretch
 RESET_MARGIN = 1.1
+# how many more tokens `keep_drafting` looks ahead (1: the next one only)
+LOOKAHEAD = 16
 
 
 class VerifierCosts(Protocol):
@@ -144,9 +148,11 @@ class CostAwareSchedule:
             survival *= calibration.acceptance(value)
             expected += survival
         step = self.seconds_per_token()
-        round_seconds = drafted * step + self.verification_seconds(drafted + 1)
-        marginal = step + self.verification_seconds(drafted + 2) - self.verification_seconds(drafted + 1)
-        return worth_one_more(survival, calibration.next_acceptance(confidence), expected, round_seconds, marginal)
+        verified = self.verification_seconds(drafted + 1)
+        round_seconds = drafted * step + verified
+        extras = [m * step + self.verification_seconds(drafted + 1 + m) - verified
+                  for m in range(1, min(LOOKAHEAD, self.maximum - drafted) + 1)]
+        return worth_more(survival, calibration.next_acceptance(confidence), expected, round_seconds, extras)
 
     # --- estimates ---------------------------------------------------------------------------------
     def acceptance_rate(self) -> float:

@@ -74,3 +74,24 @@ def worth_one_more(survival: float, next_acceptance: float, expected: float, rou
     T_v(j + 1)). It pays iff the marginal rate beats the round's: g / m > E / C.
     """
     return survival * next_acceptance * round_seconds > expected * marginal_seconds
+
+
+def worth_more(survival: float, next_acceptance: float, expected: float, round_seconds: float,
+               extra_seconds: list[float]) -> bool:
+    """Whether drafting some more tokens raises the round's expected tokens per second, looking
+    further than the next one.
+
+    Extending the round by m tokens (m = 1 .. len(``extra_seconds``)) adds ``survival`` (a + a^2 +
+    ... + a^m) expected tokens, a = ``next_acceptance`` (drafts run in streaks: a confident run
+    goes on as it went), for ``extra_seconds[m - 1]`` seconds (m drafting steps plus what they add
+    to the verification, which a step-shaped cost curve, a static runner's padded widths, makes 0
+    within a width). It pays iff some m raises the rate: g_m / x_m > E / C. With m = 1 alone this
+    is `worth_one_more`; looking further drafts across a costly step to the flat stretch beyond it.
+    """
+    gain, power = 0.0, 1.0
+    for extra in extra_seconds:
+        power *= next_acceptance
+        gain += survival * power
+        if gain * round_seconds > expected * extra:
+            return True
+    return False
