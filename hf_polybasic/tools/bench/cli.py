@@ -40,8 +40,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="Spec-Bench-format JSONL (question_id, category, turns); default: a shipped set")
     parser.add_argument("--question-set", choices=list(QUESTION_SETS), default="default",
                         help="the shipped set to run without --question-file: 'default' (3 per group, 7 groups), "
-                        "'heldout' (5 code and 5 prose prompts never used for tuning) or 'unseen' (5 code, 5 math "
-                        "word problems, 5 prose, written before issue 26's changes and used only to measure them)")
+                        "'heldout' (5 code and 5 prose prompts never used for tuning), 'unseen' (5 code, 5 math "
+                        "word problems, 5 prose, written before issue 26's changes and used only to measure them) "
+                        "or 'fresh' (the same groups, written before issues 29-30's changes were measured)")
     parser.add_argument("--groups", type=_names, default=None,
                         help="comma-separated task groups to run, e.g. qa,math-reasoning,code (default: all)")
     parser.add_argument("--questions-per-group", type=int, default=None,

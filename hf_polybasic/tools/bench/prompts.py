@@ -351,7 +351,44 @@ _UNSEEN_PROSE = [
     "Write a brief product description for a reusable water bottle that keeps drinks cold for a day.",
 ]
 
-QUESTION_SETS = ("default", "heldout", "unseen")
+# The third held-out set (`fresh_questions`, ``--question-set fresh``), written on 2026-11-25 before
+# any benchmark of that day's changes (the schedule's look-ahead, the chain's shape gate, static
+# runners) ran, and never used to tune them: five prompts in each of three groups, original text.
+_FRESH_CODE = [
+    "Write a Python function `chunked(iterable, size)` that yields lists of at most `size` items from any "
+    "iterable, without reading it all into memory. Add type hints and two doctest examples.",
+    "Write a Python class `LRUCache` with `get(key)` and `put(key, value)` methods and a fixed capacity, "
+    "evicting the least recently used entry when full. Use collections.OrderedDict.",
+    "Write a SQL query that returns, for each customer, the number of orders and the total amount spent in "
+    "2025, from tables `customers(id, name)` and `orders(id, customer_id, amount, created_at)`, including "
+    "customers without orders.",
+    "Write a Python function `parse_duration(text)` that turns strings like '1h30m', '45s' or '2h5m10s' into "
+    "a number of seconds, raising ValueError on anything else.",
+    "Write a bash script that finds every `.log` file older than 14 days under a directory given as its "
+    "first argument, compresses it with gzip, and prints how many files it compressed.",
+]
+
+_FRESH_MATH = [
+    "A cyclist rides 45 km at 18 km/h and then 30 km at 24 km/h. What is her average speed for the whole "
+    "trip? Show each step.",
+    "A tank holds 1200 litres. One pipe fills it in 6 hours and a drain empties it in 10 hours. If the tank "
+    "starts empty with both open, how long until it is full? Explain your reasoning.",
+    "The sum of three consecutive even numbers is 138. What are the numbers? Solve it step by step.",
+    "A recipe for 4 people needs 350 g of flour and 3 eggs. How much flour and how many eggs are needed for "
+    "10 people, if eggs are rounded up to whole eggs? Show the calculation.",
+    "A phone plan costs $18 a month plus $0.05 per text message. Another costs $25 a month with unlimited "
+    "texts. How many texts a month make the second plan cheaper? Work it out step by step.",
+]
+
+_FRESH_PROSE = [
+    "Write a short message inviting your team to a Friday lunch to celebrate the end of a project.",
+    "Explain in a few sentences why leaves change colour in autumn.",
+    "Describe an old library on a rainy afternoon in one paragraph.",
+    "Give four tips for writing a clear email subject line, one sentence each.",
+    "Write a two-sentence summary of why regular sleep matters for memory.",
+]
+
+QUESTION_SETS = ("default", "heldout", "unseen", "fresh")
 
 
 def heldout_questions() -> list[Question]:
@@ -372,6 +409,17 @@ def unseen_questions() -> list[Question]:
     ]
 
 
+def fresh_questions() -> list[Question]:
+    """The third held-out set: five code, five math word problems and five prose prompts, written
+    before any benchmark of issues 29-30's changes and never used to tune them."""
+    groups = (("code", _FRESH_CODE), ("math reasoning", _FRESH_MATH), ("prose", _FRESH_PROSE))
+    return [
+        Question(f"fresh-{group.split()[0]}-{i}", group, group, (text,))
+        for group, texts in groups
+        for i, text in enumerate(texts, 1)
+    ]
+
+
 def questions_of(name: str) -> list[Question]:
     """A shipped set by name (`QUESTION_SETS`)."""
     if name == "default":
@@ -380,6 +428,8 @@ def questions_of(name: str) -> list[Question]:
         return heldout_questions()
     if name == "unseen":
         return unseen_questions()
+    if name == "fresh":
+        return fresh_questions()
     raise ValueError(f"unknown question set {name!r}; choose one of {QUESTION_SETS}")
 
 
