@@ -33,7 +33,7 @@ def test_tiny_cpu_run_reports_every_method_and_writes_json(tmp_path, capsys):
     by_batch = result["summary"]["by_batch"]
     assert set(by_batch) == {"1", "4", "8"}
     expected = {"plain", "plain-static", "hf-assisted", "ours-2", "ours-2-compiled", "ours-2-eager", "ours-2-k4", "ours-3",
-                "ours-2-synthetic", "ours-3-synthetic"}
+                "ours-3-int4", "ours-2-int4", "ours-2-synthetic", "ours-3-synthetic"}
     if compat.ASSISTED_DECODING_TAKES_STATIC_CACHE:
         expected.add("hf-assisted-static")  # transformers >= 5.24
     assert set(by_batch["1"]) == expected
@@ -46,7 +46,7 @@ def test_tiny_cpu_run_reports_every_method_and_writes_json(tmp_path, capsys):
     assert by_batch["1"]["plain"]["speedup"] == pytest.approx(1.0)
     assert by_batch["1"]["plain-static"]["speedup_over_plain_static"] == pytest.approx(1.0)
     assert by_batch["1"]["ours-2-compiled"]["speedup_over_plain_static"] > 0
-    for name in ("plain", "hf-assisted", "ours-2", "ours-2-synthetic"):
+    for name in ("plain", "hf-assisted", "ours-2", "ours-2-synthetic", "ours-2-int4"):
         assert by_batch["1"][name]["efficiency"] > 0
     # every row generated the whole budget
     assert all(r["new_tokens"] == r["batch"] * result["settings"]["max_new_tokens"] for r in result["runs"])
@@ -55,6 +55,16 @@ def test_tiny_cpu_run_reports_every_method_and_writes_json(tmp_path, capsys):
     assert levels["target"]["measured_agreement"] == 1.0
     assert levels["draft"]["set_agreement"] == pytest.approx(0.8, abs=0.01)
     assert set(levels["target"]["ratios"]) == {"1", "2", "4", "8"}
+    # the int4 copy of the tiny target (every layer takes groups of 128): a level of its own, measured
+    assert list(levels) == ["target", "int4", "half", "draft"]
+    assert levels["int4"]["set_agreement"] is None and levels["int4"]["measured_agreement"] > 0.9
+    assert levels["int4"]["layers"] == levels["target"]["layers"] and levels["int4"]["t1_ms"] > 0
+    assert set(levels["int4"]["ratios"]) == {"1", "2", "4", "8"}
+    assert result["model"]["int4"] == {"group_size": 128, "mib": None}  # GPU memory only on a GPU
+    methods = {entry["name"]: entry for entry in result["methods"]}
+    assert methods["ours-3-int4"]["levels"] == ["target", "int4", "draft"]
+    assert methods["ours-2-int4"]["levels"] == ["target", "int4"]
+    assert f"| int4 copy (groups of 128) | 4 | - / {levels['int4']['measured_agreement']:.2f} |" in printed
 
     (two, three) = result["summary"]["theory"]
     assert two["method"] == "ours-2-synthetic" and two["verifier"] == "target" and two["off_reference_calls"] == 0
@@ -62,6 +72,21 @@ def test_tiny_cpu_run_reports_every_method_and_writes_json(tmp_path, capsys):
     # (the predicted speedup rests on T(k) measured on a shared CPU: it may be below 1 for tiny models)
     assert 0.6 < two["measured_acceptance"] <= 1.0 and two["predicted_speedup"] > 0
     assert three["verifier"] == "half"
+
+
+def test_a_target_the_int4_kernels_cannot_take_gets_no_int4_level_and_a_note():
+    from hf_polybasic.testing import make_target
+
+    copy, why = gpu_bench._int4_copy(make_target("llama", seed=0))  # width 32: no group of 128
+    assert copy is None and "cannot be cut in groups of 128" in why
+    copy, why = gpu_bench._int4_copy(build_target("tiny", "cpu", torch.float32, 1, 0.8, 0)[0])
+    assert why is None and copy is not None
+
+
+def test_the_memory_check_counts_the_int4_copy():
+    # Llama-3-8B: its decoder layers at half a byte a weight, embedding and output layer in bf16
+    params = gpu_bench.parameter_count("llama3-8b")
+    assert 0.33 < gpu_bench.int4_bytes("llama3-8b") / (2 * params) < 0.38
 
 
 def test_cuda_asked_without_a_gpu_is_a_clear_error(capsys, monkeypatch):

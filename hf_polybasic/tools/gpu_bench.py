@@ -4,18 +4,20 @@ assisted generation, on models built in code (no network, no downloads, no token
 The models (`hf_polybasic.tools.synthetic`): a random target of a real shape (default Llama-3-8B,
 bf16), structured so that its early exits agree with its greedy tokens on a set fraction of
 tokens; its ``draft_layers``-layer exit (the drafter, agreeing on ``draft_agreement``) and its
-half-depth exit (the middle level) share its weights; a `ReferenceDrafter` has a set acceptance
-rate and a set cost. Prompts are token ids of varied lengths; every method decodes the same
+half-depth exit (the middle level) share its weights; its int4 copy (`hf_polybasic.int4`: weights
+of its own, groups of 128, torch's int4 kernels; the paper's middle level) is made from it where
+the device's kernel takes the shape; a `ReferenceDrafter` has a set acceptance rate and a set
+cost. Prompts are token ids of varied lengths; every method decodes the same
 prompts, greedy, with EOS off (every call generates the whole budget).
 
 The phases, each timed and reported:
 
-1. **build** the target on the device, in its dtype (no float32 copy).
+1. **build** the target on the device, in its dtype (no float32 copy), and its int4 copy.
 2. **costs**: T(k) of each model level (`hf_polybasic.costs.measure_curve`: warm-up, then
    interleaved rounds, medians; CUDA-synchronized) and each one's prefill of every prompt length.
 3. **references**: plain greedy ``generate`` of every prompt and batch, untimed: the outputs every
    method must reproduce, and what the synthetic drafter reads.
-4. **agreement**: each exit's greedy agreement with the references (one forward per prompt).
+4. **agreement**: each level's greedy agreement with the references (one forward per prompt).
 5. **warm-up**: one short untimed call of every method on every batch size (kernels, allocator,
    the cost-aware schedule's first measurement).
 6. **timed**: repeats of every (method, prompt or batch), interleaved, the methods' order rotated
@@ -38,6 +40,7 @@ import json
 import statistics
 import sys
 import time
+import warnings
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -46,7 +49,8 @@ import torch
 from ..compat import ASSISTED_DECODING_TAKES_STATIC_CACHE, accepts_logits_to_keep
 from ..config import PolybasicConfig
 from ..costs import forward_cost, measure_curve
-from ..levels import early_exit
+from ..int4 import DEFAULT_GROUP_SIZE as INT4_GROUP_SIZE
+from ..levels import early_exit, quantized_copy
 from ..planning import theory
 from ..timing import synchronize
 from .bench.calls import _level_rows, describe_difference, greedy_difference
@@ -171,18 +175,26 @@ def check_device(settings: GpuBenchSettings) -> torch.device:
         index = device.index if device.index is not None else torch.cuda.current_device()
         device = torch.device("cuda", index)
         free, total = torch.cuda.mem_get_info(device)
-        needed = parameter_count(settings.shape) * DTYPES[settings.dtype].itemsize * 1.3
+        needed = parameter_count(settings.shape) * DTYPES[settings.dtype].itemsize * 1.3 + int4_bytes(settings.shape)
         if needed > free:
             raise GpuBenchError(
                 f"--shape {settings.shape} in {settings.dtype} needs about {needed / 2**30:.1f} GiB of GPU memory "
-                f"(weights and 30% for caches); {device} has {free / 2**30:.1f} of {total / 2**30:.1f} GiB free. "
-                "Try --shape llama3.2-1b"
+                f"(weights, 30% for caches, and the int4 copy); {device} has {free / 2**30:.1f} of "
+                f"{total / 2**30:.1f} GiB free. Try --shape llama3.2-1b"
             )
     elif device.type != "cpu":
         raise GpuBenchError(f"--device must be cuda, cuda:N or cpu, got {settings.device!r}")
     elif settings.shape != "tiny":
         _say(f"gpu-bench: a {settings.shape} target on the CPU is very slow; --tiny is the CPU smoke test", settings)
     return device
+
+
+def int4_bytes(shape: str) -> int:
+    """About the bytes of ``shape``'s int4 copy: half a byte per weight of its decoder layers plus a
+    bf16 scale and zero per group of 128, and its embedding and output layer in bf16."""
+    config = model_config(shape)[1]
+    table = config.vocab_size * config.hidden_size  # the embedding; the output layer is as large (untied)
+    return int((parameter_count(shape) - 2 * table) * (0.5 + 4 / INT4_GROUP_SIZE) + 2 * table * 2)
 
 
 def _say(message: str, settings: GpuBenchSettings) -> None:
@@ -226,9 +238,11 @@ def _methods(bench: Bench, settings: GpuBenchSettings, drafter_seconds: float, v
     with a static cache (which transformers compiles on a GPU: a GPU user's real baseline),
     transformers' assisted generation with the drafter exit (and, where the release takes one, with
     a static cache), ours with the default configuration over the exits (2 and 3 levels; compiled
-    on a GPU), ours uncompiled (the dynamic runner), ours with a constant K, and ours over the
-    synthetic drafter with the constant schedule (2 and 3 levels), whose fixed K the theory assumes.
-    On the CPU, ours compiled explicitly too (the CPU proxy of the GPU path)."""
+    on a GPU), ours uncompiled (the dynamic runner), ours with a constant K, the paper's shape with
+    the default configuration (the int4 copy over the drafter exit, and the int4 copy alone, where
+    it was built), and ours over the synthetic drafter with the constant schedule (2 and 3 levels),
+    whose fixed K the theory assumes. On the CPU, ours compiled explicitly too (the CPU proxy of
+    the GPU path)."""
     draft, half, labels = bench.models["draft"], bench.models["half"], bench.labels
     k = settings.num_draft_tokens
     default = PolybasicConfig(num_draft_tokens=k)
@@ -253,6 +267,15 @@ def _methods(bench: Bench, settings: GpuBenchSettings, drafter_seconds: float, v
         BenchMethod(polybasic([draft], [labels["draft"]], constant, f"ours-2-k{k}"), ("target", "draft")),
         BenchMethod(polybasic([half, draft], [labels["half"], labels["draft"]], default, "ours-3"),
                     ("target", "half", "draft")),
+    ]
+    if "int4" in bench.models:  # the paper's shape: target <- int4 copy <- drafter, and the copy alone
+        quantized = bench.models["int4"]
+        methods += [
+            BenchMethod(polybasic([quantized, draft], [labels["int4"], labels["draft"]], default, "ours-3-int4"),
+                        ("target", "int4", "draft")),
+            BenchMethod(polybasic([quantized], [labels["int4"]], default, "ours-2-int4"), ("target", "int4")),
+        ]
+    methods += [
         BenchMethod(polybasic([two], [repr(two)], constant, "ours-2-synthetic"), ("target", "synthetic"), two),
         BenchMethod(polybasic([half, three], [labels["half"], repr(three)], constant, "ours-3-synthetic"),
                     ("target", "half", "synthetic"), three),
@@ -377,10 +400,11 @@ class Bench:
     settings: GpuBenchSettings
     device: torch.device
     budget: Budget
-    models: dict = field(default_factory=dict)  # "target", "half", "draft"
+    models: dict = field(default_factory=dict)  # "target", "int4" (where built), "half", "draft"
     labels: dict = field(default_factory=dict)
     layers: dict = field(default_factory=dict)
     phases: dict = field(default_factory=dict)
+    int4: dict = field(default_factory=dict)  # the int4 copy: group size, its own GPU memory, or why not built
 
     @property
     def cuda(self) -> bool:
@@ -405,7 +429,7 @@ def _run(settings: GpuBenchSettings) -> dict:
 
     started = time.perf_counter()
     construction = _build(bench)
-    weights_mib = torch.cuda.memory_allocated(bench.device) / 2**20 if bench.cuda else None
+    weights_mib = bench.int4.pop("target_mib")
     bench.phase_done("build", started)
 
     started = time.perf_counter()
@@ -456,7 +480,7 @@ def _run(settings: GpuBenchSettings) -> dict:
         "model": {"shape": settings.shape, "dtype": settings.dtype,
                   "parameters": sum(p.numel() for p in bench.target.parameters()),
                   "weights_mib": weights_mib, "construction": construction.to_dict(),
-                  "draft_layers": bench.layers["draft"], "half_layers": bench.layers["half"]},
+                  "draft_layers": bench.layers["draft"], "half_layers": bench.layers["half"], "int4": bench.int4},
         "levels": _levels_summary(bench, curves, prefills, agreement, construction),
         "synthetic_drafter": {"acceptance": settings.acceptance, "num_tokens": settings.num_draft_tokens,
                               "seconds_per_token": drafter_seconds, "cost_in_target_steps": settings.drafter_cost},
@@ -484,19 +508,42 @@ def _run(settings: GpuBenchSettings) -> dict:
 
 
 def _build(bench: Bench):
-    """The structured target on the device, and its two early exits (sharing its weights): the
-    drafter (1/16 of its layers, at least one) and the middle level (half of them)."""
+    """The structured target on the device, its int4 copy (weights of its own) where the device's
+    int4 kernel takes the shape, and its two early exits (sharing its weights): the drafter (1/16 of
+    its layers, at least one) and the middle level (half of them)."""
     settings = bench.settings
     layers = model_config(settings.shape)[1].num_hidden_layers
-    bench.layers = {"target": layers, "half": layers // 2, "draft": max(1, layers // 16)}
+    bench.layers = {"target": layers, "int4": layers, "half": layers // 2, "draft": max(1, layers // 16)}
     target, construction = build_target(settings.shape, bench.device, DTYPES[settings.dtype], bench.layers["draft"],
                                         settings.draft_agreement, settings.seed)
-    bench.models = {"target": target, "half": early_exit(target, bench.layers["half"]),
-                    "draft": early_exit(target, bench.layers["draft"])}
-    bench.labels = {"target": f"{settings.shape} target", "half": f"exit-{bench.layers['half']}",
-                    "draft": f"exit-{bench.layers['draft']}"}
     synchronize((bench.device,) if bench.cuda else ())
+    allocated = (lambda: torch.cuda.memory_allocated(bench.device) / 2**20) if bench.cuda else (lambda: None)
+    bench.int4 = {"target_mib": allocated(), "group_size": INT4_GROUP_SIZE}
+    bench.models = {"target": target}
+    bench.labels = {"target": f"{settings.shape} target", "int4": f"int4 copy (groups of {INT4_GROUP_SIZE})",
+                    "half": f"exit-{bench.layers['half']}", "draft": f"exit-{bench.layers['draft']}"}
+    quantized, why_not = _int4_copy(target)
+    if quantized is None:
+        bench.int4["not_built"] = why_not
+        _say(f"gpu-bench: no int4 level: {why_not}", settings)
+    else:
+        bench.models["int4"] = quantized
+        synchronize((bench.device,) if bench.cuda else ())
+        bench.int4["mib"] = None if not bench.cuda else allocated() - bench.int4["target_mib"]
+    bench.models.update(half=early_exit(target, bench.layers["half"]), draft=early_exit(target, bench.layers["draft"]))
     return construction
+
+
+def _int4_copy(target: torch.nn.Module) -> tuple[torch.nn.Module | None, str | None]:
+    """(the target's int4 copy, None), or (None, why not): a shape or device the int4 kernels
+    cannot take. On the CPU the copy's warning that its kernels are slow over many tokens is left
+    out (the report measures it)."""
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=r"quantized_copy\(method='int4'\) on the CPU")
+            return quantized_copy(target, "int4"), None
+    except ValueError as error:
+        return None, str(error)
 
 
 def _costs(bench: Bench, prompt_lengths: list[int]) -> tuple[dict, dict]:
@@ -644,7 +691,8 @@ def _levels_summary(bench: Bench, curves: dict, prefills: dict, agreement: dict,
         curve = curves[name]
         rows.append({
             "level": name, "label": labels[name], "layers": layers[name],
-            "set_agreement": construction.exit_agreement(layers[name]) if name != "target" else 1.0,
+            "set_agreement": 1.0 if name == "target" else None if name == "int4"  # set by construction: exits only
+            else construction.exit_agreement(layers[name]),
             "measured_agreement": agreement.get(name),
             "t1_ms": curve.seconds(1) * 1e3,
             "cost_vs_target": curve.seconds(1) / target_step,
@@ -767,7 +815,11 @@ def markdown(result: dict) -> str:
     if result["cut"]:
         lines.append(f"**Cut short**: {result['cut']}.")
     if model["weights_mib"] is not None:
-        lines.append(f"GPU memory of the weights: {model['weights_mib'] / 1024:.1f} GiB (every level shares them).")
+        lines.append(f"GPU memory of the weights: {model['weights_mib'] / 1024:.1f} GiB (the exits share them)"
+                     + (f"; the int4 copy's own: {model['int4']['mib'] / 1024:.1f} GiB." if model["int4"].get("mib")
+                        is not None else "."))
+    if model["int4"].get("not_built"):
+        lines.append(f"No int4 level: {model['int4']['not_built']}")
     lines += ["", f"## Levels: agreement with the target and T(k) (measured through the {result.get('cost_runner', 'dynamic')} "
               "runner)", ""]
     points = list(result["levels"][0]["ratios"])
