@@ -208,6 +208,9 @@ def _decode_group(target, request, processors, stopping_criteria, parts, clock, 
     cache = request.caches[group[0]] if len(group) == 1 else request.caches[0]
     chain = build_chain(target, request.assistants, request.config, rules, cache, parts, clock, costs,
                         static=getattr(request, "static", False), capacity=capacity_for(request.max_length))
+    if chain.gate is not None:  # what the batch's drafter would prefill, and the budget proposals could save on
+        chain.gate.budget(sum(int(prompt.shape[0]) for prompt in prompts.values()),
+                          max(max_lengths[row] - int(prompts[row].shape[0]) for row in prompts))
     with timed(clock) as span:
         if len(group) > 1 and request.repeats > 1 and _shares_prompts(prompts, request.repeats):
             # num_return_sequences: each prompt is computed once; levels below the target only when the

@@ -490,6 +490,30 @@ def test_the_batch_gate_backs_off_when_the_batchs_rounds_lose_by_the_clock():
     assert gate.paused
 
 
+def test_the_batch_gate_prices_the_drafters_prefill_against_what_the_budget_could_save():
+    """After its plain rounds a batch proposes only if the drafter's prefill of every row's prompt (the
+    target's prefill, timed, times the drafter's cost ratio: 0.2 here) plus the rest decoded with
+    proposals beats the rest decoded plainly: a long prompt and a short budget never pay it (the
+    drafter is never prefilled); a long budget does."""
+    flat, drafter = _estimate(lambda k: 0.1), _estimate(lambda k: 0.02)
+
+    def gate_after_plain_rounds(prompt_tokens, new_tokens):
+        gate = BatchGate(4, flat, drafter)
+        gate.budget(prompt_tokens, new_tokens)
+        gate.observe_round(4, 20.0, 4)  # the prefill of 4000 prompt tokens: the drafter's would take 4 s
+        for _ in range(PLAIN_FIRST_ROUNDS):
+            gate.observe_round(4, 0.1, 4)
+        return gate
+
+    short = gate_after_plain_rounds(prompt_tokens=4000, new_tokens=6)
+    assert not short.prefill_pays() and short.paused and short.backoff.paused_for == MAX_BACKOFF_ROUNDS
+    long = gate_after_plain_rounds(prompt_tokens=4000, new_tokens=400)
+    assert long.prefill_pays() and not long.paused and long.cap == BLIND_LENGTH
+    unpriced = BatchGate(4, flat, None)  # a Drafter proposes: nothing to prefill, nothing priced
+    unpriced.budget(4000, 6)
+    assert unpriced.prefill_pays()
+
+
 def test_a_batch_that_rows_left_is_priced_again_as_the_smaller_batch_it_is():
     """A machine flat up to 8 tokens: 8 rows cannot draft, 2 rows can; when 6 rows are done and leave,
     the gate decides afresh and lets the 2 left draft (what the larger batch timed is dropped)."""
