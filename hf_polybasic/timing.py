@@ -94,5 +94,6 @@ class ForwardTimer:
         """Report every forward whose events have run (all of them with ``wait``)."""
         while self._pending and (wait or self._pending[0][1].query()):
             start, end, tokens, rows = self._pending.pop(0)
-            end.synchronize()
+            if wait:
+                end.synchronize()
             observer.observe(tokens, start.elapsed_time(end) / 1000.0, rows=rows)

@@ -201,12 +201,14 @@ def test_cpu_drafter_under_gpu_target_with_prefix_dependent_processors(fp32_chai
 
 # --- GPU correctness by construction, checked on the CPU -------------------------------------------
 def test_a_forward_is_timed_to_the_end_of_its_gpu_work(monkeypatch, fp32_chain):
-    """On a GPU the clock must be read after the work ran, not after its launch: each timed forward
-    synchronizes the devices its model lives on, inside the timed span (decoding and measuring)."""
-    from hf_polybasic import cache as cache_module
+    """On a GPU the clock must be read after the work ran, not after its launch: under an injected
+    clock (and when measuring the curves) a timed forward synchronizes the devices its model lives
+    on, inside the timed span."""
+    from hf_polybasic import timing
     from hf_polybasic.cache import CachedModel
     from hf_polybasic.compat import new_dynamic_cache
     from hf_polybasic.costs import forward_cost
+    from hf_polybasic.costs import measure as measure_module
     from hf_polybasic.testing import SimulatedClock
 
     model = fp32_chain[0]
@@ -217,14 +219,57 @@ def test_a_forward_is_timed_to_the_end_of_its_gpu_work(monkeypatch, fp32_chain):
         synchronized.append(tuple(devices))
         clock.advance(0.5 if devices else 0.0)  # the queued work finishes here
 
-    monkeypatch.setattr(cache_module, "cuda_devices", lambda m: ("cuda:7",))
-    monkeypatch.setattr(cache_module, "synchronize", synchronize)
+    for module in (timing, measure_module):
+        monkeypatch.setattr(module, "synchronize", synchronize)
+    monkeypatch.setattr(measure_module, "cuda_devices", lambda m: ("cuda:7",))
     runner = CachedModel(model, new_dynamic_cache(model), role="target", clock=clock)
+    runner._timer = timing.ForwardTimer(torch.device("cuda", 7), clock, ("cuda:7",))  # as on that GPU
     observed = []
     runner.cost_observer = type("Observer", (), {"observe": lambda self, tokens, seconds, rows=1: observed.append(seconds)})()
     runner.logits(prompt(5, seed=1)[0], 1)
     assert synchronized == [("cuda:7",)] and observed == [0.5]
     assert forward_cost(model, prompt(6), 2, repeats=3, clock=clock) == 0.5  # what measuring the curves sees
+
+
+def test_decoding_forwards_are_timed_by_events_without_waiting_for_the_gpu(monkeypatch, fp32_chain):
+    """With the wall clock on one GPU, a forward is bracketed by CUDA events and nothing waits: its
+    seconds reach the cost observer once its end event has run, at a later forward."""
+    from hf_polybasic import timing
+
+    events = []
+
+    class FakeEvent:
+        def __init__(self, enable_timing=False):
+            self.done, self.at = False, None
+            events.append(self)
+
+        def record(self):
+            self.at = len(events)
+
+        def query(self):
+            return self.done
+
+        def synchronize(self):
+            raise AssertionError("a decoding forward waited for the GPU")
+
+        def elapsed_time(self, end):
+            return 250.0  # ms
+
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(timing, "synchronize", lambda devices: (_ for _ in ()).throw(AssertionError("synchronized")))
+    timer = timing.ForwardTimer(torch.device("cuda", 0), timing.DEFAULT_CLOCK, (torch.device("cuda", 0),))
+    observed = []
+    observer = type("Observer", (), {"observe": lambda self, tokens, seconds, rows=1: observed.append((tokens, seconds))})()
+    timer.start()
+    timer.stop(3, 1, observer)
+    assert observed == [] and len(events) == 2  # its events have not run yet: nothing read, nothing waited for
+    for event in events:
+        event.done = True
+    timer.start()
+    timer.stop(5, 1, observer)  # the next forward: the first one's seconds are read now
+    assert observed == [(3, 0.25)]
+    split = timing.ForwardTimer(torch.device("cuda", 0), timing.DEFAULT_CLOCK, ("cuda:0", "cuda:1"))
+    assert not split.events  # a model split over two GPUs: one queue's events cannot time it
 
 
 def test_the_machine_description_names_the_models_gpus_not_the_current_one(monkeypatch):
