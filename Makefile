@@ -7,6 +7,8 @@ VENV := .venv
 BIN := $(VENV)/bin
 
 .PHONY: demo test test-quant4 test-matrix test-torch-floor quant4 mutation docs serve-docs clean
+# the install stamps are files; a test-transformers-<release> run is not
+.PRECIOUS: .matrix/%/.installed
 
 # torch==2.13.0 and transformers==$(NEWEST) are installed first: an unpinned torch would pull a
 # multi-GB CUDA build, and the full suite runs on the newest transformers release the package admits.
@@ -38,8 +40,10 @@ $(QUANT4)/.installed: pyproject.toml $(VENV)/.installed
 	$(EXTRA) quant4 | xargs $(BIN)/pip install --quiet --no-deps --no-warn-conflicts --target $(QUANT4)
 	touch $@
 
-# The full suite runs on the release installed in .venv ($(NEWEST)); then, each with a subset chosen
-# to keep `make test` within about 20 minutes on 2 cores from a clean clone (README, Compatibility):
+# The full suite runs on the release installed in .venv ($(NEWEST)), alone (some of its tests time
+# real forwards); then the runs below, two at a time (the 2 cores of CI; each pytest uses one thread),
+# each with a subset chosen to keep `make test` within about 20 minutes from a clean clone
+# (README, Compatibility):
 # - test-quant4: the 4-bit tests, with the quant4 extra on PYTHONPATH;
 # - test-matrix: one release of every band where the internals we touch changed, each installed
 #   beside .venv in .matrix/ (pure-Python wheels, seconds) and put first on PYTHONPATH;
@@ -47,7 +51,7 @@ $(QUANT4)/.installed: pyproject.toml $(VENV)/.installed
 #   the same way (PyPI's CUDA build with its NVIDIA libraries, about 4.6 GB; it runs on the CPU).
 test: $(VENV)/.installed
 	$(BIN)/python -m pytest -q
-	$(MAKE) --no-print-directory test-quant4 test-matrix test-torch-floor
+	$(MAKE) --no-print-directory -j2 --output-sync=target test-torch-floor test-matrix test-quant4
 
 QUANT4_TESTS := tests/test_four_bit.py tests/test_machine_aware.py::test_the_costs_command_measures_every_variant_and_writes_its_table
 test-quant4: $(QUANT4)/.installed
@@ -56,36 +60,36 @@ test-quant4: $(QUANT4)/.installed
 
 # Bands: 4.57 (the oldest with callable custom_generate), 5.0 - 5.4 (per-family recurrent caches),
 # 5.5 - 5.14 (no sliding past recording: full layers stand in), 5.15 - 5.17 (sliding layers record
-# their past but hand attention all of it: full layers stand in), 5.18 - 5.22 (batched generate
-# penalizes each row's left padding), 5.23 (generate keeps the streamer from custom_generate), 5.24
-# (`cache` renames `past_key_values`; the newest: .venv). Every release runs MATRIX_TESTS (the compat
-# checks, greedy equality on every architecture, generate's features, batched decoding); the oldest
-# and the 5.15 - 5.17 band also run MATRIX_MORE_TESTS (the distribution tests, the restricted drafter).
-MATRIX_RELEASES := 5.23.0 5.20.2 5.17.0 5.14.1 5.4.0 4.57.6
+# their past but hand attention all of it: full layers stand in), 5.18 - 5.22 (the last whose batched
+# generate penalizes each row's left padding), 5.23 (generate keeps the streamer from
+# custom_generate), 5.24 (`cache` renames `past_key_values`; the newest: .venv). Every release runs
+# MATRIX_TESTS (the compat checks, greedy equality on every architecture, generate's features,
+# batched decoding); the oldest also runs MATRIX_MORE_TESTS (the distribution tests, the restricted
+# drafter). `make test-matrix` runs them one after the other (-j2: two at a time).
+MATRIX_RELEASES := 4.57.6 5.17.0 5.23.0 5.20.2 5.14.1 5.4.0
 MATRIX_TESTS := tests/test_compat.py tests/test_greedy_equality.py tests/test_generate_features.py tests/test_batches.py
-MATRIX_MORE_RELEASES := 5.17.0 4.57.6
+MATRIX_MORE_RELEASES := 4.57.6
 MATRIX_MORE_TESTS := tests/test_sampling_distribution.py tests/test_vocab_head.py
 
-test-matrix: $(VENV)/.installed
-	@for release in $(MATRIX_RELEASES); do \
-	  dir=.matrix/transformers-$$release; \
-	  if [ ! -f $$dir/.installed ]; then \
-	    rm -rf $$dir && $(BIN)/pip install --quiet --no-warn-conflicts --target $$dir "transformers==$$release" \
-	      && touch $$dir/.installed || exit 1; \
-	  fi; \
-	  tests="$(MATRIX_TESTS)"; \
-	  case " $(MATRIX_MORE_RELEASES) " in *" $$release "*) tests="$$tests $(MATRIX_MORE_TESTS)";; esac; \
-	  echo "== transformers $$release: $$tests"; \
-	  PYTHONPATH=$$dir $(BIN)/python -m pytest -q -p no:cacheprovider $$tests || exit 1; \
-	done
+test-matrix: $(addprefix test-transformers-,$(MATRIX_RELEASES))
+
+.matrix/transformers-%/.installed: | $(VENV)/.installed
+	rm -rf $(@D)
+	$(BIN)/pip install --quiet --no-warn-conflicts --target $(@D) "transformers==$*"
+	touch $@
+
+test-transformers-%: .matrix/transformers-%/.installed
+	@echo "== transformers $*: $(MATRIX_TESTS) $(if $(filter $*,$(MATRIX_MORE_RELEASES)),$(MATRIX_MORE_TESTS))"
+	PYTHONPATH=.matrix/transformers-$* $(BIN)/python -m pytest -q -p no:cacheprovider $(MATRIX_TESTS) \
+	  $(if $(filter $*,$(MATRIX_MORE_RELEASES)),$(MATRIX_MORE_TESTS))
 
 # The torch floor (pyproject.toml: torch>=$(TORCH_FLOOR); the project's GPU machines run it):
 # MATRIX_TESTS and the distribution tests on the .venv's transformers.
 TORCH_FLOOR := 2.11.0
 TORCH_FLOOR_DIR := .matrix/torch-$(TORCH_FLOOR)
 $(TORCH_FLOOR_DIR)/.installed: | $(VENV)/.installed
-	rm -rf $(TORCH_FLOOR_DIR)
-	$(BIN)/pip install --quiet --no-warn-conflicts --target $(TORCH_FLOOR_DIR) torch==$(TORCH_FLOOR)
+	rm -rf $(@D)
+	$(BIN)/pip install --quiet --no-warn-conflicts --target $(@D) torch==$(TORCH_FLOOR)
 	touch $@
 
 test-torch-floor: $(TORCH_FLOOR_DIR)/.installed
