@@ -18,8 +18,9 @@ The phases, each timed and reported:
 3. **references**: plain greedy ``generate`` of every prompt and batch, untimed: the outputs every
    method must reproduce, and what the synthetic drafter reads.
 4. **agreement**: each level's greedy agreement with the references (one forward per prompt).
-5. **warm-up**: one short untimed call of every method on every batch size (kernels, allocator,
-   the cost-aware schedule's first measurement).
+5. **warm-up**: one untimed call of every method on every batch size, of the whole budget
+   (kernels, allocator, every compiled width, the cost-aware schedule's first measurement); on a
+   GPU, one profiled call of every batch-1 method (host time against GPU busy time).
 6. **timed**: repeats of every (method, prompt or batch), interleaved, the methods' order rotated
    each repeat; each call timed with the GPU's queue drained before and after
    (`hf_polybasic.tools.harness.timed_call`), its peak GPU memory recorded. Repeats stop early
@@ -62,7 +63,6 @@ from .synthetic import PAD, SHAPES, ReferenceDrafter, build_target, model_config
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 KEY_TOKENS = 8  # the synthetic drafter tells prompts apart by their first tokens
-WARMUP_TOKENS = 8
 BATCHED_METHODS = ("plain", "plain-static", "ours-2", "ours-2-eager", "ours-3", "ours-2-synthetic")
 BASELINES = ("plain", "plain-static")  # speedups are reported over each
 
@@ -79,7 +79,7 @@ class GpuBenchSettings:
     shape: str = "llama3-8b"
     dtype: str = "bf16"
     max_new_tokens: int = 96
-    prompt_lengths: tuple[int, ...] = (32, 128, 512, 1024)
+    prompt_lengths: tuple[int, ...] = (32, 128, 512)
     batch_sizes: tuple[int, ...] = (1, 4, 8)
     repeats: int = 3
     num_draft_tokens: int = 4  # K: our drafters', transformers' num_assistant_tokens, the synthetic drafter's
@@ -87,7 +87,7 @@ class GpuBenchSettings:
     acceptance: float = 0.8  # the synthetic drafter's
     drafter_cost: float = 0.05  # the synthetic drafter's seconds per token, in target T(1)s
     cost_tokens: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
-    time_budget_s: float = 420.0
+    time_budget_s: float = 480.0  # 8 minutes: one command on a lent GPU (10 at most), compilation included
     seed: int = 0
     output_dir: str | None = None
     progress: bool = True
@@ -603,13 +603,15 @@ def _references(bench: Bench, units: list[Unit]) -> dict:
 
 
 def _warm_up(bench: Bench, methods: list[BenchMethod], units: list[Unit]) -> None:
-    """One short call of every method on the first unit of every batch size."""
+    """One call of every method on the first unit of every batch size, of the whole budget: a
+    compiled method meets the widths its timed calls will (each compiled once, here), and the
+    cost-aware schedule its first measurements."""
     sizes = set()
     for unit in units:
         if unit.batch not in sizes:
             sizes.add(unit.batch)
             for bm in _for_batch(methods, unit.batch):
-                _call(bench.target, bm, unit, min(WARMUP_TOKENS, bench.settings.max_new_tokens), bench.cuda)
+                _call(bench.target, bm, unit, bench.settings.max_new_tokens, bench.cuda)
 
 
 def _timed(bench: Bench, methods: list[BenchMethod], units: list[Unit], curves: dict, prefills: dict):
@@ -917,7 +919,7 @@ def add_gpu_bench_parser(commands) -> None:
     parser.add_argument("--shape", default=None, choices=sorted(SHAPES), help="the target's shape (default llama3-8b)")
     parser.add_argument("--dtype", default=None, choices=sorted(DTYPES), help="default bf16 (fp32 with --tiny on cpu)")
     parser.add_argument("--max-new-tokens", type=int, default=None, help="per row (default 96; --tiny 16)")
-    parser.add_argument("--prompt-lengths", default=None, help="comma-separated (default 32,128,512,1024)")
+    parser.add_argument("--prompt-lengths", default=None, help="comma-separated (default 32,128,512)")
     parser.add_argument("--batch-sizes", default=None, help="comma-separated (default 1,4,8)")
     parser.add_argument("--repeats", type=int, default=None, help="interleaved repeats, medians reported (default 3)")
     parser.add_argument("--draft-tokens", type=int, default=None, help="K (default 4)")
@@ -927,7 +929,7 @@ def add_gpu_bench_parser(commands) -> None:
     parser.add_argument("--drafter-cost", type=float, default=None,
                         help="the synthetic drafter's seconds per token, in target forwards T(1) (default 0.05)")
     parser.add_argument("--time-budget", type=float, default=None,
-                        help="seconds from the start; repeats stop when the next would end later (default 420)")
+                        help="seconds from the start; repeats stop when the next would end later (default 480)")
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--output", default=None, help="directory for gpu_bench.json and gpu_bench.md")
     parser.add_argument("--no-progress", action="store_true", help="no progress lines on stderr")
