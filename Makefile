@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 
 .PHONY: demo test test-quant4 test-matrix test-torch-floor quant4 mutation docs serve-docs clean
 # the install stamps are files; a test-transformers-<release> run is not
-.PRECIOUS: .matrix/%/.installed
+.PRECIOUS: .matrix/transformers-%/.installed
 
 # torch==2.13.0 and transformers==$(NEWEST) are installed first: an unpinned torch would pull a
 # multi-GB CUDA build, and the full suite runs on the newest transformers release the package admits.
