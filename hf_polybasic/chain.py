@@ -36,6 +36,7 @@ from .drafting import DrafterLevel, ModelDrafter, ScheduledRows
 from .processing import DecodingRules, process_positions
 from .protocol import Block, Level, Proposal
 from .schedule import BatchGate, Schedule, ShapeGate, make_schedule
+from .schedule.calibration import remembered as remembered_calibration
 from .static import StaticRunner, compile_problem, static_problem
 from .stats import LevelStats, PolybasicStats
 from .timing import DEFAULT_CLOCK, Clock, timed
@@ -340,6 +341,7 @@ class Chain:
     estimates: list
     gate: BatchGate | None = None  # a batch's: whether the level under the target proposes at all
     shape_gates: dict = field(default_factory=dict)  # level index -> its ShapeGate (whether it takes part)
+    learned: list = field(default_factory=list)  # (proposer, verifier, schedules): calibrations to keep
 
     def finish(self, costs: CostCurves | None = None) -> PolybasicStats:
         """Fill in what the levels counted (forward passes, rounds sat out, forward costs) and let
@@ -352,13 +354,16 @@ class Chain:
             if estimate is not None:
                 level.forward_costs = estimate.snapshot()
                 if costs is not None:
-                    costs.refresh(runner.model, estimate)
+                    costs.refresh(runner.model, estimate, runner_kind(runner))
             if isinstance(runner, StaticRunner):
                 level.runner = "static, compiled" if runner.compiled else "static"
                 level.forward_widths = dict(sorted(collections.Counter(runner.forward_widths).items()))
                 runner.close()
             elif runner is not None:
                 level.runner = "dynamic"
+        for proposer, verifier, schedules in self.learned:  # the row that learned most, for the next call
+            taught = max(schedules.values(), key=lambda schedule: schedule.calibration.observations)
+            remembered_calibration.keep(proposer, verifier, taught.calibration)
         for index, shape in self.shape_gates.items():
             level = self.stats.levels[index]
             level.bypassed_rounds = shape.bypassed_rounds
@@ -391,6 +396,13 @@ def make_runner(model, cache, role: str, config: PolybasicConfig, static: bool, 
                  + f": {problem}. The other models of the chain run " + ("compiled " if compiled else "")
                  + "on static caches where they can")
     return CachedModel(model, cache, role=role, vocab_limit=vocab_limit, clock=clock, rows=rows)
+
+
+def runner_kind(runner) -> str:
+    """"compiled", "static" or "dynamic": the runner a model's forwards go through (its costs differ)."""
+    if isinstance(runner, StaticRunner):
+        return "compiled" if runner.compiled else "static"
+    return "dynamic"
 
 
 def _warn_runner(model, reason: str, message: str) -> None:
@@ -437,7 +449,8 @@ def build_chain(
     estimates = [None] * len(models)
     if config.schedule == "cost_aware" and costs is not None:
         for index, runner in enumerate(runners):
-            curve = None if runner is None else costs.curve_for(models[index], clock, measure=config.measure_costs)
+            curve = None if runner is None else costs.curve_for(models[index], clock, measure=config.measure_costs,
+                                                                  runner=runner_kind(runner))
             if curve is not None:  # None: not stored and not to be measured; the schedule goes by the call's timings
                 estimates[index] = runner.cost_observer = CostEstimate(curve)
     shared = [None if estimate is None else BatchShare(estimate, runner) for estimate, runner in zip(estimates, runners)]
@@ -446,6 +459,17 @@ def build_chain(
 
     def per_row(make):
         return {row: make() for row in rows}
+
+    learned = []  # (proposing model, verifying model, its rows' schedules): calibrations kept for later calls
+
+    def calibrated(proposer: int, verifier: int, make):
+        """Each row's schedule of a model level, its calibration started from what the last call of the
+        same two models learned (cost-aware only)."""
+        if config.schedule != "cost_aware":
+            return per_row(lambda: make(None))
+        made = per_row(lambda: make(remembered_calibration.start(models[proposer], models[verifier])))
+        learned.append((models[proposer], models[verifier], made))
+        return made
 
     schedules = [None] * len(models)
     bottom = len(models) - 1
@@ -460,9 +484,10 @@ def build_chain(
     else:
         own = estimates[bottom]
         step = None if own is None else own.seconds(count) / count
-        schedules[bottom] = per_row(lambda: make_schedule(
+        schedules[bottom] = calibrated(bottom, bottom - 1, lambda calibration: make_schedule(
             config.schedule, config.num_draft_tokens, MAX_DRAFT_TOKENS, per_token=True,
-            verifier_costs=shared[bottom - 1], step_seconds=step, gate=gate if bottom == 1 else None))
+            verifier_costs=shared[bottom - 1], step_seconds=step, gate=gate if bottom == 1 else None,
+            calibration=calibration))
         # below a greedy intermediate level, sampled drafts would only lower its acceptance
         samples = do_sample and not (greedy_intermediates and bottom > 1)
         level = parts.model_drafter(runners[bottom], rules, stats.levels[bottom], schedules[bottom], samples, clock)
@@ -479,22 +504,22 @@ def build_chain(
         # forward, so it does not rule the level out up front)
         own = estimates[index]
         step = None if own is None else own.seconds(count) / count
-        schedules[index] = per_row(lambda: make_schedule(
+        schedules[index] = calibrated(index, index - 1, lambda calibration: make_schedule(
             config.schedule, thresholds[index - 1], MAX_BLOCK_THRESHOLD, per_token=True,
             verifier_costs=shared[index - 1], step_seconds=step, static_check=False,
-            gate=gate if index == 1 else None))
+            gate=gate if index == 1 else None, calibration=calibration))
         shape = {}
         if index == bottom - 1 and runners[bottom] is not None and None not in estimates[index - 1 : bottom + 1]:
             # the level right above a model drafter takes part only while Theorem 3.2 says it pays; when
             # bypassed, the drafter proposes to the level above under schedules priced by its costs
             drafter_step = estimates[bottom].seconds(count) / count
-            costs = (shared[index - 1].seconds, shared[index].seconds, shared[bottom].seconds)
-            shape = dict(shape_gate=ShapeGate(costs, models=(models[index - 1], models[index], models[bottom])),
-                         bypass_schedules=per_row(lambda: make_schedule(
+            level_costs = (shared[index - 1].seconds, shared[index].seconds, shared[bottom].seconds)
+            shape = dict(shape_gate=ShapeGate(level_costs, models=(models[index - 1], models[index], models[bottom])),
+                         bypass_schedules=calibrated(bottom, index - 1, lambda calibration: make_schedule(
                              config.schedule, config.num_draft_tokens, MAX_DRAFT_TOKENS, per_token=True,
                              verifier_costs=shared[index - 1], step_seconds=drafter_step,
-                             gate=gate if index == 1 else None)))
+                             gate=gate if index == 1 else None, calibration=calibration)))
             shape_gates[index] = shape["shape_gate"]
         level = parts.intermediate(verifier, schedules[index], clock, **shape)
     top = parts.verifier(runners[0], level, rules, stats.levels[0], do_sample, clock)
-    return Chain(top, stats, runners, schedules, estimates, gate, shape_gates)
+    return Chain(top, stats, runners, schedules, estimates, gate, shape_gates, learned)

@@ -41,6 +41,35 @@ def test_a_measured_curve_is_stored_and_found_by_the_next_process(tmp_path, mode
     assert [p.name for p in tmp_path.iterdir()] == [f"{cost_key(model)}.json"]  # no temporary file left
 
 
+def test_a_static_runner_has_curves_of_its_own_measured_through_it(tmp_path, model):
+    """A compiled static runner's T(k) is another curve (padded widths, graphs): kept under its own key
+    and measured through that runner; the dynamic one's is untouched."""
+    kinds = []
+
+    def measure(model, clock=None, runner="dynamic"):
+        kinds.append(runner)
+        return CostCurve({1: 0.01, 2: 0.01, 4: 0.01, 8: 0.01, 16: 0.02})
+
+    store = CostCurves(tmp_path, measure=measure)
+    store.curve_for(model, runner="compiled")
+    store.curve_for(model)
+    store.curve_for(model, runner="compiled")
+    assert kinds == ["compiled", "dynamic"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"{cost_key(model)}-compiled.json", f"{cost_key(model)}.json"]
+
+
+def test_measuring_through_a_static_runner_pads_to_its_widths(model):
+    from hf_polybasic.costs import measure_curve
+    from hf_polybasic.costs.measure import measuring_runner
+    from hf_polybasic.static import StaticRunner
+
+    assert isinstance(measuring_runner(model, "static", 64), StaticRunner)
+    curve = measure_curve(model, tokens=(1, 3), context=8, repeats=1, runner="static")
+    assert curve.description["runner"] == "static" and set(curve.points) == {1, 3}
+    with pytest.raises(ValueError, match="runner must be one of"):
+        measuring_runner(model, "graphs", 64)
+
+
 @pytest.mark.parametrize(
     "content",
     ['[]', 'null', '"a string"', '{"format": 1, "points": [1, 2]}', '{"format": 1, "points": {"a": 1}}',

@@ -18,6 +18,7 @@ from distribution import (
     sample_counts,
 )
 
+from hf_polybasic import chain as chain_module
 from hf_polybasic.chain import ChainParts
 from hf_polybasic.config import PolybasicConfig
 from hf_polybasic.costs import CostCurves
@@ -46,7 +47,7 @@ from hf_polybasic.schedule import (
     worth_one_more,
 )
 import hf_polybasic as hp
-from hf_polybasic.testing import SimulatedClock, cheap_drafting_costs, make_target, noisy_copy, prompt, simulated_machine
+from hf_polybasic.testing import SimulatedClock, make_chain, cheap_drafting_costs, make_target, noisy_copy, prompt, simulated_machine
 
 
 class Curve:
@@ -159,6 +160,38 @@ def test_calibration_learns_acceptance_by_confidence_from_revealed_tokens():
     # only revealed tokens count: the 4th draft (after the rejected 3rd) taught nothing about 0.995's
     # 'next' curve beyond the two accepted ones followed by a revealed one
     assert calibration.next_acceptance(0.995) == pytest.approx((2 * 0.9975 + 40) / (2 + 80), abs=0.02)
+
+
+def test_what_a_call_learned_starts_the_next_call_of_the_same_pair(monkeypatch):
+    """A drafter that is right far more often than it is sure (confidence 0.3, always accepted): the
+    prior says 0.65 per draft; after one call has seen it, the next call of the same two models starts
+    near the truth, carrying at most CARRIED_WEIGHT observations per bin (a new text still moves it)."""
+    from hf_polybasic.schedule import calibration as calibration_module
+
+    memory = calibration_module._Remembered()
+    drafter, target, other = (torch.nn.Linear(1, 1) for _ in range(3))
+    first = memory.start(drafter, target)
+    assert first.acceptance(0.3) == pytest.approx(0.65)
+    for _ in range(200):
+        first.observe([0.3, 0.3, 0.3], accepted=3)
+    memory.keep(drafter, target, first)
+    second = memory.start(drafter, target)
+    assert second.acceptance(0.3) > 0.95 and second.observations == 0
+    assert sum(trials for _, trials in second._accepted) <= calibration_module.CARRIED_WEIGHT * len(second._accepted)
+    assert memory.start(drafter, other).acceptance(0.3) == pytest.approx(0.65)  # another verifier: the prior
+
+
+def test_a_chain_keeps_its_levels_calibrations_for_the_next_call(monkeypatch):
+    from hf_polybasic.schedule import calibration as calibration_module
+
+    memory = calibration_module._Remembered()
+    monkeypatch.setattr(chain_module, "remembered_calibration", memory)
+    target, draft = make_chain("llama", depth=2, seed=4)
+    with simulated_machine(cheap_drafting_costs(target, [draft])) as generate:
+        target.generate(prompt(6, seed=2), custom_generate=generate, assistant_models=[draft], do_sample=False,
+                        max_new_tokens=24)
+    carried = memory.start(draft, target)
+    assert carried._accepted != calibration_module.ConfidenceCalibration()._accepted
 
 
 def _drafted_lengths(schedule, confidences, rounds=6, verify=0.1):

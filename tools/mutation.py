@@ -16,6 +16,8 @@ matches the mutant's diff (else they count as survivors again).
     python tools/mutation.py run --not-killed    # rerun only the sample's mutants not killed last time
     python tools/mutation.py report [--diffs]    # the table (and each survivor's diff) from the last run
     python tools/mutation.py list                # the sampled mutant names
+    python tools/mutation.py run --modules hf_polybasic/static.py hf_polybasic/schedule/shape_gate.py
+                                                 # only these modules' share of the sample (a change's)
 """
 
 from __future__ import annotations
@@ -197,8 +199,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-children", type=int, default=2)
     parser.add_argument("--not-killed", action="store_true", help="run: only the mutants not killed last time")
     parser.add_argument("--diffs", action="store_true", help="report: each survivor's diff")
+    parser.add_argument("--modules", nargs="+", default=None,
+                        help="only these modules' share of the sample (paths as in [tool.mutmut] only_mutate)")
     args = parser.parse_args(argv)
     drawn = sample(args.seed, args.size, args.per_module_floor)
+    if args.modules is not None:
+        unknown = sorted(set(args.modules) - {str(path) for path in drawn})
+        if unknown:
+            raise SystemExit(f"--modules: {unknown} are not in [tool.mutmut] only_mutate ({sorted(map(str, drawn))})")
+        drawn = {path: names for path, names in drawn.items() if str(path) in args.modules}
     if args.command == "list":
         print("\n".join(name for names in drawn.values() for name in names))
         return 0

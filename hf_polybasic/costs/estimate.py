@@ -45,6 +45,7 @@ class CostEstimate:
         self._at = {k: [0.0, 0.0] for k in curve.points}
         self.observed = 0
         self.last_seconds: float | None = None
+        self._line: tuple[float, float] | None = None  # the fit `seconds` uses, until the next observation
 
     def _nearest_point(self, tokens: int) -> int:
         return min(self.curve.points, key=lambda k: abs(math.log(k) - math.log(tokens)))
@@ -56,6 +57,7 @@ class CostEstimate:
         self.last_seconds = seconds
         if rows != 1 or not 1 <= tokens <= ONLINE_MAX_TOKENS or seconds <= 0:
             return
+        self._line = None
         ratio = math.log(seconds / self.curve.seconds(tokens))
         for running in (self._whole, self._at[self._nearest_point(tokens)]):
             running[0] = ONLINE_DECAY * running[0] + ratio
@@ -79,7 +81,9 @@ class CostEstimate:
         T(k) = a + b k with b >= 0. A shared machine's measurements of neighbouring points can differ
         by a third (T(2) above T(4)); the differences T(j + 2) - T(j + 1) that price one more token
         must come from the curve's trend, not from two noisy points."""
-        intercept, slope = affine_fit(self.snapshot())
+        if self._line is None:  # asked many times per drafted token: fitted once per observation
+            self._line = affine_fit(self.snapshot())
+        intercept, slope = self._line
         return max(intercept + slope * k, 1e-9)
 
     def snapshot(self) -> dict[int, float]:

@@ -94,13 +94,21 @@ class CostCurves:
         with self._guard:
             return self._locks.setdefault(key, threading.Lock())
 
-    def curve_for(
-        self, model: torch.nn.Module, clock: Clock = DEFAULT_CLOCK, measure: bool = True
-    ) -> CostCurve | None:
-        """The curve of ``model`` on this machine: from memory, else from disk, else measured now
-        (only this model's key is locked meanwhile). None when there is none and measuring is off
-        (``measure=False`` or ``$HF_POLYBASIC_MEASURE_COSTS=0``)."""
+    def key_of(self, model: torch.nn.Module, runner: str = "dynamic") -> str:
+        """The key a curve is kept under: the model's (`cost_key`), and the runner its forwards go
+        through when it is not the dynamic one (a static runner's T(k) is a step function of its
+        widths, a compiled one's runs as graphs: another curve)."""
         key = self._key(model)
+        return key if runner == "dynamic" else f"{key}-{runner}"
+
+    def curve_for(
+        self, model: torch.nn.Module, clock: Clock = DEFAULT_CLOCK, measure: bool = True, runner: str = "dynamic"
+    ) -> CostCurve | None:
+        """The curve of ``model`` on this machine, through ``runner`` ("dynamic", "static" or
+        "compiled": the runner decoding uses, `measure_curve`): from memory, else from disk, else
+        measured now (only this key is locked meanwhile). None when there is none and measuring is
+        off (``measure=False`` or ``$HF_POLYBASIC_MEASURE_COSTS=0``)."""
+        key = self.key_of(model, runner)
         with self._lock(key):
             if key in self._curves:
                 return self._curves[key]
@@ -109,12 +117,12 @@ class CostCurves:
                 if not (measure and measuring_allowed()):
                     return None
                 log.info("hf_polybasic: measuring the forward costs of %s on this machine", type(model).__name__)
-                curve = self.measure(model, clock=clock)
+                curve = self.measure(model, clock=clock, **({} if runner == "dynamic" else {"runner": runner}))
                 self._save(key, curve)
             self._curves[key] = curve
             return curve
 
-    def refresh(self, model: torch.nn.Module, estimate: CostEstimate) -> None:
+    def refresh(self, model: torch.nn.Module, estimate: CostEstimate, runner: str = "dynamic") -> None:
         """Move the stored curve towards what ``estimate`` saw during a call (each point by its
         observed / predicted ratio, weighted by how many forwards the call made, at most a factor
         `MAX_REFRESH_FACTOR` per call), so the next call starts from today's costs.
@@ -125,7 +133,7 @@ class CostCurves:
         after call of a benchmark drove such points to nonsense (a stored T(4) of 7 ns)."""
         if estimate.observed == 0:
             return
-        key = self._key(model)
+        key = self.key_of(model, runner)
         with self._lock(key):
             curve = self._curves.get(key)
             if curve is None or curve is not estimate.curve:

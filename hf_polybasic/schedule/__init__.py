@@ -58,17 +58,19 @@ class Schedule(Protocol):
 def make_schedule(
     kind: str, initial: int, maximum: int, per_token: bool = False, verifier_costs=None,
     step_seconds: float | None = None, static_check: bool = True, gate: BatchGate | None = None,
+    calibration: ConfidenceCalibration | None = None,
 ) -> Schedule:
     """The schedule of one level: ``kind`` is one of `SCHEDULES`; ``initial`` the configured K or
     mu, ``maximum`` the longest proposal a varying schedule makes; ``per_token``: the level proposes
     token by token with confidences (a model level). ``verifier_costs`` / ``step_seconds`` /
-    ``static_check`` / ``gate``: see `CostAwareSchedule`."""
+    ``static_check`` / ``gate`` / ``calibration``: see `CostAwareSchedule`."""
     if kind == "constant":
         return ConstantSchedule(initial)
     if kind == "heuristic":
         return HeuristicSchedule(initial, maximum)
     if kind == "cost_aware":
-        return CostAwareSchedule(initial, maximum, per_token, verifier_costs, step_seconds, static_check, gate)
+        return CostAwareSchedule(initial, maximum, per_token, verifier_costs, step_seconds, static_check, gate,
+                                 calibration)
     raise ValueError(f"schedule must be one of {SCHEDULES}, got {kind!r}")
 
 

@@ -13,17 +13,25 @@ reveal (a draft's fate is known up to and including the first rejected token):
 
 Before evidence each bin holds `PRIOR_WEIGHT` pseudo-observations of (1 + c) / 2: drafts of a
 model that shares the target's tokenizer tend to be accepted more often than their own
-confidence says (the verifier only has to agree on the argmax).
+confidence says (the verifier only has to agree on the argmax). A call of a few dozen rounds learns
+little past that prior, so what a call learned carries over to the next call of the same two models
+(`remembered`, at most `CARRIED_WEIGHT` observations per bin): a drafter that is right more often
+than it is sure (a small model's flat distributions, an early exit) is not cut short call after call.
 """
 
 from __future__ import annotations
 
+import threading
+import weakref
 from bisect import bisect_right
 from collections.abc import Sequence
 
 # confidence bins (upper edges); the last is [0.99, 1]
 BIN_EDGES = (0.2, 0.4, 0.6, 0.8, 0.9, 0.95, 0.99)
 PRIOR_WEIGHT = 2.0
+# what a call learned weighs at most this many observations per bin at the start of the next call of
+# the same pair of models (`remembered`): enough to start from, little enough to follow a new text
+CARRIED_WEIGHT = 24.0
 
 
 def _bin(confidence: float) -> int:
@@ -43,6 +51,7 @@ class ConfidenceCalibration:
         bins = len(BIN_EDGES) + 1
         self._accepted = [[PRIOR_WEIGHT * _prior(i), PRIOR_WEIGHT] for i in range(bins)]
         self._next = [[PRIOR_WEIGHT * _prior(i), PRIOR_WEIGHT] for i in range(bins)]
+        self.observations = 0  # drafts revealed to this object (not carried over)
 
     @staticmethod
     def _rate(table: list, confidence: float) -> float:
@@ -65,6 +74,7 @@ class ConfidenceCalibration:
     def observe(self, confidences: Sequence[float], accepted: int) -> None:
         """A verification accepted the first ``accepted`` of drafts with these ``confidences``:
         tokens 0..accepted are revealed (the accepted ones, then the first rejected one)."""
+        self.observations += len(confidences[: accepted + 1])
         for index, confidence in enumerate(confidences[: accepted + 1]):
             cell = self._accepted[_bin(confidence)]
             cell[0] += float(index < accepted)
@@ -73,3 +83,32 @@ class ConfidenceCalibration:
             cell = self._next[_bin(confidences[index])]
             cell[0] += float(index + 1 < accepted)
             cell[1] += 1.0
+
+
+class _Remembered:
+    """The latest calibration of each (proposing model, verifying model) pair, weakly held."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._by_proposer: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    def start(self, proposer, verifier) -> ConfidenceCalibration:
+        """A calibration for a new call: what the last call of this pair learned (capped), else the prior."""
+        calibration = ConfidenceCalibration()
+        with self._lock:
+            entry = self._by_proposer.get(proposer)
+        if entry is not None and entry[0]() is verifier:
+            for mine, theirs in ((calibration._accepted, entry[1]), (calibration._next, entry[2])):
+                for cell, (successes, trials) in zip(mine, theirs):
+                    scale = min(1.0, CARRIED_WEIGHT / trials) if trials else 1.0
+                    cell[0], cell[1] = successes * scale, trials * scale
+        return calibration
+
+    def keep(self, proposer, verifier, calibration: ConfidenceCalibration) -> None:
+        """What ``calibration`` learned, for the pair's next call."""
+        tables = ([list(cell) for cell in calibration._accepted], [list(cell) for cell in calibration._next])
+        with self._lock:
+            self._by_proposer[proposer] = (weakref.ref(verifier), *tables)
+
+
+remembered = _Remembered()

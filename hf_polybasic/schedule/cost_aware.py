@@ -84,10 +84,13 @@ class CostAwareSchedule:
             may emit several tokens per forward, only knows its cost per token from its rounds).
         gate: the batch's `BatchGate` (rows of a batch, level under the target): while it is
             paused the level proposes nothing, whatever its own estimates say.
+        calibration: where the level's acceptance-by-confidence starts (what an earlier call of the
+            same two models learned, `calibration.remembered`); None: the prior.
     """
 
     def __init__(self, initial: int, maximum: int, per_token: bool = False, verifier_costs: VerifierCosts | None = None,
-                 step_seconds: float | None = None, static_check: bool = True, gate: BatchGate | None = None):
+                 step_seconds: float | None = None, static_check: bool = True, gate: BatchGate | None = None,
+                 calibration: ConfidenceCalibration | None = None):
         self.initial, self.maximum = initial, max(maximum, initial)
         self.per_token = per_token
         self.verifier_costs, self.step_seconds = verifier_costs, step_seconds
@@ -96,7 +99,7 @@ class CostAwareSchedule:
         self._gated_rounds = 0  # rounds the batch's gate sat this row out
         self.current = self.maximum if per_token else initial
         self.rounds = 0
-        self.calibration = ConfidenceCalibration()
+        self.calibration = calibration or ConfidenceCalibration()
         self.backoff = BackOff()
         # decayed sums: acceptance, first-token acceptance, this level's cost per proposed token,
         # realized yield of rounds with proposals; every verification's seconds and its overhead
