@@ -302,6 +302,20 @@ def _pending(case: Case, check: str) -> list[Exemption]:
 
 
 # --- running a case -------------------------------------------------------------------------------------
+def _bias_takes_id_0() -> bool:
+    """transformers <= 5.17 refuses a sequence bias on id 0 (PAD here, which the greedy references may
+    hold) as not a positive integer; 5.20 takes it. Such a bias is not drawn where it is refused."""
+    from transformers.generation import logits_process
+
+    try:
+        logits_process.SequenceBiasLogitsProcessor([[[0], 1.0]])
+    except ValueError:
+        return False
+    return True
+
+
+BIAS_TAKES_ID_0 = _bias_takes_id_0()
+
 TOKENIZER = make_tokenizer()
 
 # what every run taught, for the session-wide check that every kind of level took part
@@ -383,7 +397,8 @@ def resolve(case: Case, models: tuple) -> Resolved:
     bad_words = [tokens for pick in case.bad_words if (tokens := _picked(reference, pick))]
     if bad_words:
         options["bad_words_ids"] = bad_words
-    bias = [[tokens, value] for pick, value in case.sequence_bias if (tokens := _picked(reference, pick))]
+    bias = [[tokens, value] for pick, value in case.sequence_bias
+            if (tokens := _picked(reference, pick)) and (BIAS_TAKES_ID_0 or PAD not in tokens)]
     if bias:
         options["sequence_bias"] = bias
     eos = {"default": [EOS], "none": None}.get(case.eos)

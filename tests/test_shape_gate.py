@@ -26,8 +26,14 @@ from hf_polybasic.testing import cheap_drafting_costs, noisy_copy, prompt, simul
 
 @pytest.fixture(autouse=True)
 def forget_shapes(monkeypatch):
-    """Every test starts without what earlier calls of its models taught (`shape_gate.remembered`)."""
+    """Every test starts without what earlier calls of its models taught (`shape_gate.remembered`,
+    the calibrations) and sees the once-per-process warnings afresh."""
+    from hf_polybasic import chain
+    from hf_polybasic.schedule import calibration
+
     monkeypatch.setattr(shape_gate, "remembered", shape_gate._Memory())
+    monkeypatch.setattr(chain, "remembered_calibration", calibration._Remembered())
+    monkeypatch.setattr(chain, "_warned_sat_out", set())
 
 
 # --- the gate's phases and verdicts, on their own ------------------------------------------------------

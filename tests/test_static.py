@@ -27,6 +27,14 @@ from hf_polybasic.drafters import PromptLookup
 from hf_polybasic.static import WIDTHS, StaticRunner, bucket, capacity_for, static_problem
 from hf_polybasic.testing import TINY_ARCHITECTURES, make_target, noisy_copy, prompt, tiny_chain
 
+@pytest.fixture(autouse=True)
+def warn_afresh(monkeypatch):
+    """Each test sees the chain's once-per-process warnings (another test may have made them)."""
+    from hf_polybasic import chain
+
+    monkeypatch.setattr(chain, "_warned_runners", set())
+
+
 STATIC_ARCHITECTURES = ["llama", "qwen2", "mixtral", "qwen3-moe", "gpt2", "opt"]  # taken on every release tested
 
 
