@@ -1,20 +1,22 @@
-"""4-bit linear layers on the CPU, through the two maintained libraries that have CPU kernels.
+"""NF4 linear layers on the CPU through bitsandbytes, for ``quantized_copy(target, "nf4")``.
 
 The paper's middle level is a 4-bit copy of the target: it agrees with the target almost always and
-reads a quarter of its bytes, which is what a decoding step on a CPU mostly pays for. Two
-libraries run 4-bit weights on a CPU (both optional: ``pip install "hf_polybasic[quant4]"``):
+reads a quarter of its bytes, which is what a decoding step mostly pays for. `quantized_copy` makes
+it two ways:
 
-* **torchao** (>= 0.18): int4 weight-only, asymmetric per group of 128 input features, bf16
-  activations, through ``aten._weight_int4pack_mm_for_cpu`` (AVX-512 and AVX2 kernels; in 0.18
-  the CPU layout lives in ``torchao.prototype.quantization.int4``: `Int4OpaqueTensor`). `"int4"`.
-* **bitsandbytes** (>= 0.50): NF4 (or FP4) in blocks of 64, bf16 activations; on a CPU with
-  AVX512-BF16 its first forward repacks the weight for a fused kernel that takes any number of rows
-  (elsewhere it dequantizes each weight per forward, which is slow). `"nf4"`.
+* ``"int4"``: int4 weight-only through torch's own int4 kernels (`hf_polybasic.int4`: tinygemm on a
+  CUDA GPU, its AVX-512/AVX2 twin on the CPU). Nothing to install; it used torchao before, which runs
+  the same CPU kernel and is no longer needed.
+* ``"nf4"``: **bitsandbytes** (>= 0.50, optional: ``pip install "hf_polybasic[quant4]"``), NF4 (or
+  FP4) in blocks of 64 with bf16 activations. This module makes its layers on the CPU: on a CPU
+  with AVX512-BF16 a layer's first forward repacks the weight for a fused kernel that takes any
+  number of rows (elsewhere it dequantizes each weight per forward, which is slow). On a CUDA GPU
+  `quantized_copy` goes through transformers' ``BitsAndBytesConfig`` instead.
 
 Each layer is converted on its own from the source's weight (upcast to bf16 one layer at a time),
 so a full-size second copy never exists, and the 4-bit layer holds only tensors of its own. The
-output layer (``lm_head``) stays in bf16 by default, as transformers' own 4-bit loading leaves it:
-rounding the logits costs agreement where it matters most.
+output layer (``lm_head``) stays in bf16, as transformers' own 4-bit loading leaves it: rounding
+the logits costs agreement where it matters most.
 """
 
 from __future__ import annotations
@@ -23,47 +25,29 @@ import importlib.util
 
 import torch
 
-FOUR_BIT_METHODS = ("int4", "nf4")
-INT4_GROUP_SIZE = 128
 NF4_BLOCK_SIZE = 64
+LIBRARIES = {"int4": None, "nf4": "bitsandbytes"}  # what each 4-bit method of quantized_copy needs beyond torch
 EXTRA = 'pip install "hf_polybasic[quant4]"'
 
 
-def available(method: str) -> bool:
-    """Whether the library behind ``method`` ("int4": torchao, "nf4": bitsandbytes) is installed."""
-    return importlib.util.find_spec({"int4": "torchao", "nf4": "bitsandbytes"}[method]) is not None
+def available(method: str = "nf4") -> bool:
+    """Whether ``quantized_copy(target, method)`` has its library: ``"nf4"`` where bitsandbytes is
+    installed; ``"int4"`` always (torch's own kernels)."""
+    if method not in LIBRARIES:
+        raise ValueError(f"unknown 4-bit method {method!r}; choose one of {tuple(LIBRARIES)}")
+    library = LIBRARIES[method]
+    return library is None or importlib.util.find_spec(library) is not None
 
 
-def require(method: str) -> None:
+def require(method: str = "nf4") -> None:
     """Raise an ImportError naming the extra unless the library behind ``method`` is installed."""
     if not available(method):
-        library = {"int4": "torchao", "nf4": "bitsandbytes"}[method]
-        raise ImportError(f"quantized_copy(method={method!r}) needs {library}: {EXTRA}")
-
-
-class Int4Linear(torch.nn.Module):
-    """``nn.Linear`` with int4 weights (torchao's CPU layout) and bf16 inputs and outputs."""
-
-    def __init__(self, linear: torch.nn.Linear):
-        super().__init__()
-        from torchao.prototype.quantization.int4.int4_opaque_tensor import Int4OpaqueTensor
-
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        weight = linear.weight.detach().to(torch.bfloat16)
-        self.weight = torch.nn.Parameter(Int4OpaqueTensor.from_hp(weight, [1, INT4_GROUP_SIZE]), requires_grad=False)
-        self.bias = None
-        if linear.bias is not None:
-            self.bias = torch.nn.Parameter(linear.bias.detach().to(torch.bfloat16).clone(), requires_grad=False)
-
-    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.linear(inputs.to(torch.bfloat16), self.weight, self.bias)
-
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, int4 (torchao, group {INT4_GROUP_SIZE})"
+        raise ImportError(f"quantized_copy(method={method!r}) needs {LIBRARIES[method]}: {EXTRA}")
 
 
 def nf4_linear(linear: torch.nn.Linear, quant_type: str = "nf4") -> torch.nn.Module:
-    """bitsandbytes' ``Linear4bit`` with ``linear``'s weights quantized on the CPU (bf16 compute)."""
+    """bitsandbytes' ``Linear4bit`` with ``linear``'s weights quantized on the CPU (bf16 compute);
+    ``linear`` is left as it was."""
     import bitsandbytes as bnb
 
     layer = bnb.nn.Linear4bit(linear.in_features, linear.out_features, bias=linear.bias is not None,
@@ -84,18 +68,3 @@ def nf4_linear_type() -> type:
     import bitsandbytes as bnb
 
     return bnb.nn.Linear4bit
-
-
-def convert_linear(linear: torch.nn.Linear, method: str) -> torch.nn.Module:
-    """One 4-bit layer from ``linear`` (which is left as it was)."""
-    require(method)
-    if method == "int4":
-        if linear.in_features % INT4_GROUP_SIZE:
-            raise ValueError(
-                f"int4: a layer with {linear.in_features} input features cannot be split in groups of "
-                f"{INT4_GROUP_SIZE}; use method='nf4' or 'int8-dynamic' for this model"
-            )
-        return Int4Linear(linear)
-    if method == "nf4":
-        return nf4_linear(linear)
-    raise ValueError(f"unknown 4-bit method {method!r}; choose one of {FOUR_BIT_METHODS}")

@@ -23,7 +23,6 @@ import torch
 
 from . import four_bit, int4
 from .drafters import Drafter, PromptLookup  # re-exported: every kind of level is reachable from here
-from .four_bit import FOUR_BIT_METHODS
 from .modules import module_view, replace_modules
 from .vocab_head import restricted_vocabulary  # re-exported: every kind of level is reachable from here
 
@@ -58,10 +57,11 @@ def quantized_copy(target: torch.nn.Module, method: str = "int8-dynamic", *, gro
       twin on the CPU; nothing to install). Made on the device the target is on (the layout is
       the device's), layer by layer. Every linear layer but the output layer needs
       ``out_features`` a multiple of 16 and ``in_features`` a multiple of the group size.
-    - ``"nf4"``: 4-bit NormalFloat weights with bf16 compute through bitsandbytes: on the CPU
-      layer by layer (`hf_polybasic.four_bit`; fast where the CPU has AVX512-BF16); on a CUDA GPU
-      through transformers' ``BitsAndBytesConfig`` (the target is saved to a temporary directory
-      and reloaded quantized, so this needs disk space for one fp checkpoint).
+    - ``"nf4"``: 4-bit NormalFloat weights (blocks of 64) with bf16 compute through bitsandbytes
+      (``pip install "hf_polybasic[quant4]"``): on the CPU layer by layer (`hf_polybasic.four_bit`;
+      fast where the CPU has AVX512-BF16); on a CUDA GPU through transformers'
+      ``BitsAndBytesConfig`` (the target is saved to a temporary directory and reloaded quantized,
+      so this needs disk space for one fp checkpoint).
 
     The 4-bit copies keep the output layer in bf16 and run in bf16. GPTQ/AWQ/GGUF checkpoints that
     are already quantized load as ordinary transformers models and can be passed in
@@ -75,8 +75,8 @@ def quantized_copy(target: torch.nn.Module, method: str = "int8-dynamic", *, gro
         return _nf4(target)
     if method == "int4":
         return _int4_copy(target, int4.DEFAULT_GROUP_SIZE if group_size is None else group_size)
-    if method in FOUR_BIT_METHODS:
-        return _four_bit_copy(target, method)
+    if method == "nf4":
+        return _nf4_cpu_copy(target)
     if method in ("bf16", "fp16"):
         return copy.deepcopy(target).to(torch.bfloat16 if method == "bf16" else torch.float16).eval()
     return _int8_dynamic_copy(target)
@@ -111,23 +111,28 @@ def _int4_copy(source: torch.nn.Module, group_size: int) -> torch.nn.Module:
             except ValueError as error:
                 raise ValueError(f"quantized_copy(method='int4'): layer {name!r}: {error}") from None
     return _four_bit_copy(source, "int4", lambda linear: int4.Int4Linear.from_linear(linear, group_size),
-                          warn={d.type for d in devices} == {"cpu"}, stacklevel=4)
+                          int4.Int4Linear, warn={d.type for d in devices} == {"cpu"})
 
 
-def _four_bit_copy(source: torch.nn.Module, method: str, convert_linear=None, warn: bool = True,
-                   stacklevel: int = 3) -> torch.nn.Module:
+def _nf4_cpu_copy(source: torch.nn.Module) -> torch.nn.Module:
+    """The nf4 copy on the CPU, layer by layer through bitsandbytes (`hf_polybasic.four_bit`)."""
+    devices = {p.device.type for p in source.parameters()}
+    if devices != {"cpu"}:
+        raise ValueError(
+            f"quantized_copy(method='nf4') on the CPU needs the model on the CPU; it is on {sorted(devices)}. "
+            "On a GPU use method='int4' or 'nf4' with the whole model on the GPU, or 'bf16'/'fp16'"
+        )
+    four_bit.require("nf4")  # a clear ImportError naming the extra, before anything is copied
+    return _four_bit_copy(source, "nf4", four_bit.nf4_linear, four_bit.nf4_linear_type())
+
+
+def _four_bit_copy(source: torch.nn.Module, method: str, convert_linear, layer_type: type, warn: bool = True,
+                   stacklevel: int = 4) -> torch.nn.Module:
     """A bf16 copy whose linear layers (all but the output layer) are 4-bit, built layer by layer
     from the source's weights, holding none of the source's tensors. ``convert_linear`` makes one
-    4-bit layer (default: `four_bit.convert_linear`, on the CPU, through torchao or bitsandbytes)."""
-    if convert_linear is None:
-        devices = {p.device.type for p in source.parameters()}
-        if devices != {"cpu"}:
-            raise ValueError(
-                f"quantized_copy(method={method!r}) on the CPU needs the model on the CPU; it is on {sorted(devices)}. "
-                "On a GPU use method='int4' or 'nf4' with the whole model on the GPU, or 'bf16'/'fp16'"
-            )
-        four_bit.require(method)  # a clear ImportError naming the extra, before anything is copied
-        convert_linear = lambda linear: four_bit.convert_linear(linear, method)  # noqa: E731
+    4-bit layer of type ``layer_type`` (`int4.Int4Linear`, or bitsandbytes' ``Linear4bit`` for
+    nf4), whose tensors are left in their own dtypes. ``stacklevel``: the warning's, counted from
+    here (4: quantized_copy's caller, through ``_int4_copy`` or ``_nf4_cpu_copy``)."""
     clone = copy.deepcopy(source, memo=_linear_only_tensors(source))  # linear weights referenced, not copied
     head = _output_layer(clone)
 
@@ -139,9 +144,8 @@ def _four_bit_copy(source: torch.nn.Module, method: str, convert_linear=None, wa
     replace_modules(clone, torch.nn.Linear, convert)
     if warn:
         warnings.warn(CPU_FOUR_BIT_WARNING.format(method=method), UserWarning, stacklevel=stacklevel)
-    four_bit_types = (four_bit.Int4Linear, int4.Int4Linear) + ((four_bit.nf4_linear_type(),) if method == "nf4" else ())
     for module in clone.modules():
-        if isinstance(module, four_bit_types):
+        if isinstance(module, layer_type):
             continue
         for name, tensor in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
             if tensor.is_floating_point() and tensor.dtype != torch.bfloat16:
