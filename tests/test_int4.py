@@ -1,7 +1,8 @@
 """Int4 weight-only copies through torch's own int4 kernels (`hf_polybasic.int4`): the group
 quantization against a reference, the layer against its dequantized weight, a chain through the
-copy (exact, agreeing with the target), independence from the target and from torchao, compile,
-clear errors. CUDA tests are marked and skip without a GPU."""
+copy (exact, agreeing with the target), independence from the target and from torchao and
+bitsandbytes (the cost and levels tables measure it without them), compile, clear errors. CUDA
+tests are marked and skip without a GPU."""
 
 import sys
 import warnings
@@ -228,6 +229,28 @@ def test_an_int4_copy_needs_neither_torchao_nor_bitsandbytes(monkeypatch):
     assert copy(prompt(4)).logits.isfinite().all()
 
 
+def test_the_cost_and_levels_tables_measure_the_int4_copy_without_torchao(monkeypatch):
+    """`hf-polybasic costs` and `levels` list the target's int4 copy with neither torchao nor
+    bitsandbytes installed (nf4 needs bitsandbytes: left out), labelled by torch's kernels, and
+    their factories build it."""
+    from hf_polybasic.tools import costs_table, levels_table
+
+    for name in ("torchao", "bitsandbytes"):
+        monkeypatch.setitem(sys.modules, name, None)
+    target = _target(seed=77)
+    monkeypatch.setattr(costs_table.loading, "load", lambda name, dtype=torch.float32, **_: (target, None))
+    variants = costs_table.qwen_variants()
+    candidates = dict(levels_table.qwen_candidates(target, small=None))
+    assert "1.5B int4" in variants and "1.5B nf4" not in variants
+    assert [name for name in candidates if "int4" in name or "nf4" in name] == ["1.5B int4 copy (torch int4 kernels)"]
+    assert not [name for name in [*variants, *candidates] if "torchao" in name]
+    for build in (variants["1.5B int4"], candidates["1.5B int4 copy (torch int4 kernels)"]):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # the CPU copy's warning
+            copy = build()
+        assert sum(isinstance(m, int4.Int4Linear) for m in copy.modules()) == 7 * target.config.num_hidden_layers
+
+
 def test_a_cpu_int4_copy_says_it_is_slow_as_a_middle_level():
     with pytest.warns(UserWarning, match=r"quantized_copy\(method='int4'\) on the CPU") as caught:
         quantized_copy(_target(seed=74), "int4")
@@ -265,6 +288,22 @@ def test_a_chain_through_the_int4_copy_is_greedy_exact_and_the_copy_agrees_with_
             hits["int4"] += int((middle(sequence).logits.argmax(-1) == chosen).sum())
             hits["noisy"] += int((noisy(sequence).logits.argmax(-1) == chosen).sum())
     assert hits["int4"] > 0.8 * 4 * 36 and hits["int4"] > hits["noisy"] + 0.1 * 4 * 36
+
+
+def test_a_sampled_chain_through_the_int4_copy_samples_what_the_target_can():
+    """target <- int4 copy <- small drafter, sampling (top_k=3): every level took part and every
+    token is one the target itself could sample."""
+    from distribution import assert_target_could_sample
+
+    target = _target(seed=78)
+    middle, draft = _int4_copy(target), noisy_copy(target, 0.05, seed=4)
+    ids = prompt(6, seed=3)
+    torch.manual_seed(0)
+    out = target.generate(ids, custom_generate=hp.generate, assistant_models=[middle, draft],
+                          polybasic_config=hp.PolybasicConfig(schedule="constant"), return_dict_in_generate=True,
+                          do_sample=True, top_k=3, max_new_tokens=30, eos_token_id=None)
+    assert_every_level_took_part(out.polybasic_stats, rejections=False)
+    assert_target_could_sample(target, out.sequences, ids.shape[1], top_k=3)
 
 
 # -------------------------------------------------------------------------------------------- CUDA

@@ -3,9 +3,10 @@
 One row per way the chain's models can run here (the target in float32 and bfloat16, each with and
 without oneDNN-packed linear layers where this machine packs that dtype; the int8 copies of the
 target and of the 0.5B; the 0.5B in bf16, packed where this machine packs bf16; the target's 4-bit
-copies where the ``quant4`` extra is installed): the median seconds of one forward scoring k new
-tokens after a 64-token context (`hf_polybasic.costs.measure_curve`, the same measurement the
-cost-aware schedule uses), and T(k)/T(1), what a verification of k tokens costs in decoding steps.
+copies: int4 through torch's own int4 kernels, always, and nf4 where bitsandbytes, the ``quant4``
+extra, is installed): the median seconds of one forward scoring k new tokens after a 64-token
+context (`hf_polybasic.costs.measure_curve`, the same measurement the cost-aware schedule uses), and
+T(k)/T(1), what a verification of k tokens costs in decoding steps.
 Models are loaded one at a time (`hf_polybasic.tools.loading`), so the peak memory is that of the
 largest.
 
@@ -53,9 +54,13 @@ def qwen_variants(restricted: Sequence[int] = ()) -> dict[str, Callable[[], torc
         if compat.onednn_supports(dtype):
             variants[f"1.5B {name} packed"] = target(dtype, True)
     variants["1.5B int8-dynamic"] = lambda: loading.load_int8(QWEN_TARGET)
-    for method in four_bit.FOUR_BIT_METHODS:
-        if four_bit.available(method):
-            variants[f"1.5B {method}"] = _four_bit_copy_of(lambda: loading.load(QWEN_TARGET, torch.float32)[0], method)
+
+    def float32_target():
+        return loading.load(QWEN_TARGET, torch.float32)[0]
+
+    variants["1.5B int4"] = _four_bit_copy_of(float32_target, "int4")  # torch's int4 kernels: nothing to install
+    if four_bit.available("nf4"):  # bitsandbytes: the quant4 extra
+        variants["1.5B nf4"] = _four_bit_copy_of(float32_target, "nf4")
     drafters = {
         "0.5B int8-dynamic": lambda: loading.load_int8(QWEN_DRAFT),
         "0.5B bf16": lambda: loading.load(QWEN_DRAFT, torch.bfloat16)[0],
@@ -97,7 +102,7 @@ def tiny_variants(restricted: Sequence[int] = ()) -> dict[str, Callable[[], torc
         "tiny bf16": lambda: make_target("qwen2").to(torch.bfloat16),
         "tiny int8-dynamic": lambda: quantized_copy(make_target("qwen2"), "int8-dynamic"),
     }
-    if four_bit.available("nf4"):  # the tiny model's 32 input features cannot form int4's groups of 128
+    if four_bit.available("nf4"):  # no int4: the tiny model's width, 32, takes no groups of 128 (its default)
         variants["tiny nf4"] = _four_bit_copy_of(lambda: make_target("qwen2"), "nf4")
     variants.update(restricted_variants({"tiny int8-dynamic": variants["tiny int8-dynamic"]}, restricted))
     return variants

@@ -141,7 +141,7 @@ def qwen_candidates(target, small, restricted: Sequence[int] = (), tokenizer=Non
          lambda method=method, size=size: restricted_vocabulary(quantized_copy(small, method), size, tokenizer=tokenizer))
         for method in ("int8-dynamic", "bf16") for size in restricted
     ]
-    return [
+    candidates = [
         ("1.5B bf16 copy", lambda: quantized_copy(target, "bf16")),
         ("1.5B int8-dynamic copy", lambda: quantized_copy(target, "int8-dynamic")),
         (f"1.5B early exit ({half} of {target.config.num_hidden_layers} layers)", lambda: early_exit(target, half)),
@@ -150,11 +150,11 @@ def qwen_candidates(target, small, restricted: Sequence[int] = (), tokenizer=Non
         ("0.5B int8-dynamic", lambda: quantized_copy(small, "int8-dynamic")),
         ("PromptLookup(max_ngram=3, num_tokens=8)", lambda: PromptLookup(max_ngram=3, num_tokens=8)),
         *views,
-    ] + [
-        (f"1.5B {method} copy ({library})", lambda method=method: quantized_copy(target, method))
-        for method, library in (("int4", "torchao"), ("nf4", "bitsandbytes"))
-        if four_bit.available(method)
+        ("1.5B int4 copy (torch int4 kernels)", lambda: quantized_copy(target, "int4")),  # nothing to install
     ]
+    if four_bit.available("nf4"):  # bitsandbytes: the quant4 extra
+        candidates.append(("1.5B nf4 copy (bitsandbytes)", lambda: quantized_copy(target, "nf4")))
+    return candidates
 
 
 def run_levels_table(models_kind: str, k: int, new_tokens: int, stride: int, repeats: int, out,
