@@ -12,10 +12,12 @@ BIN := $(VENV)/bin
 
 # torch==2.13.0 and transformers==$(NEWEST) are installed first: an unpinned torch would pull a
 # multi-GB CUDA build, and the full suite runs on the newest transformers release the package admits.
-# The 4-bit extra (quant4: torchao, bitsandbytes) is NOT installed here: transformers imports torchao
-# whenever it is installed, and torchao then prints load errors and torch deprecation warnings on
-# every run (make demo included). It lives in .matrix/quant4 (`make quant4`), which only the 4-bit
-# tests put on PYTHONPATH; a venv made before this is cleaned of it.
+# The 4-bit extra (quant4: bitsandbytes, for nf4; int4 needs only torch) is NOT installed here, so
+# the full suite runs as a plain install does (nf4 refused, naming the extra). It lives in
+# .matrix/quant4 (`make quant4`), which only the 4-bit tests put on PYTHONPATH. A venv made before
+# is cleaned of it and of torchao, which the extra brought until int4 moved to torch's own kernels
+# (transformers imports torchao whenever it is installed, and torchao 0.18 printed load errors and
+# torch deprecation warnings on every run, make demo included).
 NEWEST := 5.24.0
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -31,8 +33,9 @@ demo: $(VENV)/.installed
 # The optional extras' requirements as pyproject.toml states them, one a line (for xargs: no shell quoting)
 EXTRA = $(BIN)/python -c 'import sys, tomllib; print("\n".join(tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"][sys.argv[1]]))'
 
-# The 4-bit extra beside the venv (pure Python plus prebuilt kernels; --no-deps: torch, numpy and
-# packaging come from the venv). Use it with PYTHONPATH=.matrix/quant4 (tests, bench --four-bit).
+# The 4-bit extra beside the venv (bitsandbytes: Python plus prebuilt kernels; --no-deps: torch, numpy
+# and packaging come from the venv). Use it with PYTHONPATH=.matrix/quant4 (tests, the nf4 methods of
+# bench, plan --four-bit nf4).
 QUANT4 := .matrix/quant4
 quant4: $(QUANT4)/.installed
 $(QUANT4)/.installed: pyproject.toml $(VENV)/.installed
@@ -44,7 +47,7 @@ $(QUANT4)/.installed: pyproject.toml $(VENV)/.installed
 # real forwards); then the runs below, two at a time (the 2 cores of CI; each pytest uses one thread),
 # each with a subset chosen to keep `make test` within about 20 minutes from a clean clone
 # (README, Compatibility):
-# - test-quant4: the 4-bit tests, with the quant4 extra on PYTHONPATH;
+# - test-quant4: the nf4 tests (and the costs table's nf4 row), with the quant4 extra on PYTHONPATH;
 # - test-matrix: one release of every band where the internals we touch changed, each installed
 #   beside .venv in .matrix/ (pure-Python wheels, seconds) and put first on PYTHONPATH;
 # - test-torch-floor: the lowest torch pyproject.toml admits, on the .venv's transformers, installed
