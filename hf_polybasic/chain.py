@@ -367,6 +367,8 @@ class Chain:
         for index, shape in self.shape_gates.items():
             level = self.stats.levels[index]
             level.bypassed_rounds = shape.bypassed_rounds
+            if shape.verdict is not None:
+                level.insertion_saving = shape.verdict.time_saved_per_token
             if shape.bypassed_rounds > shape_probe_rounds(shape):  # sat out beyond the gate's probes
                 level.sat_out = shape.describe()
                 _warn_sat_out(level.name, level.sat_out)

@@ -42,6 +42,9 @@ class LevelStats:
         bypassed_rounds: rounds of the level above in which this intermediate level sat out and the
             level below proposed straight to it (`hf_polybasic.schedule.ShapeGate`).
         sat_out: why it sat out beyond measuring the chain without it (Theorem 3.2's numbers), or "".
+        insertion_saving: Theorem 3.2's latest verdict on this intermediate level, from the call's
+            measured costs and acceptance: the seconds per token inserting it saves (negative: what
+            it costs); None before a verdict.
     """
 
     name: str
@@ -59,6 +62,7 @@ class LevelStats:
     forward_widths: dict[int, int] = field(default_factory=dict)
     bypassed_rounds: int = 0
     sat_out: str = ""
+    insertion_saving: float | None = None
 
     @contextmanager
     def timed(self, clock: Clock = DEFAULT_CLOCK) -> Iterator[Span]:
@@ -100,6 +104,7 @@ class LevelStats:
         self.runner = self.runner or other.runner
         self.bypassed_rounds += other.bypassed_rounds
         self.sat_out = self.sat_out or other.sat_out
+        self.insertion_saving = other.insertion_saving if other.insertion_saving is not None else self.insertion_saving
         for width, count in other.forward_widths.items():
             self.forward_widths[width] = self.forward_widths.get(width, 0) + count
 

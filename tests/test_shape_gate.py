@@ -122,6 +122,7 @@ def test_a_costly_middle_level_sits_out_and_says_so(monkeypatch):
         both, stats = _seconds_per_token(target, [middle, draft], costs)
     assert both <= 1.1 * alone < 1.0
     assert stats.levels[1].bypassed_rounds > stats.levels[0].verifications / 2 and "Theorem 3.2" in stats.levels[1].sat_out
+    assert stats.levels[1].insertion_saving < 0
     # the gate's negative control: one that never moves (and remembers nothing) runs the middle level throughout
     monkeypatch.setattr(ShapeGate, "observe", lambda self, *args: None)
     monkeypatch.setattr(shape_gate, "remembered", shape_gate._Memory())
