@@ -193,8 +193,8 @@ def build_pool(
     """The model set for ``models`` ("qwen" or "tiny") plus an early exit and PromptLookup.
 
     ``early_exit_layers``: layers of the target's early-exit view (default 14 for qwen, 1 for tiny;
-    0 leaves it out). ``four_bit``: 4-bit copies of the target to add ("nf4", "int4"; the
-    ``quant4`` extra), so that the planner can place the paper's middle level.
+    0 leaves it out). ``four_bit``: 4-bit copies of the target to add ("nf4": the ``quant4`` extra;
+    "int4": torch's own kernels), so that the planner can place the paper's middle level.
     """
     if models not in DEFAULT_DTYPE:
         raise ValueError(f"--models must be one of {list(DEFAULT_DTYPE)}, got {models!r}")

@@ -61,7 +61,8 @@ def add_plan_parser(commands) -> argparse.ArgumentParser:
     parser.add_argument("--early-exit-layers", type=int, default=None,
                         help="layers of the target's early-exit candidate (default 14 qwen, 1 tiny; 0: none)")
     parser.add_argument("--four-bit", action="append", default=[], choices=["nf4", "int4"],
-                        help="add a 4-bit copy of the target to the pool (repeatable; needs hf_polybasic[quant4])")
+                        help="add a 4-bit copy of the target to the pool (repeatable; nf4 needs hf_polybasic[quant4], "
+                        "int4 only torch)")
     parser.add_argument("--out", default=None, help="output directory (default: plan-results/<models>)")
     parser.add_argument("--validate", action="store_true", help="also time a grid of configurations and plain generate")
     parser.add_argument("--grid", choices=list(GRIDS), default="small",

@@ -263,7 +263,7 @@ RECIPES: dict[str, Recipe] = {
         _chain("ours-mid-draft-lookup", ("mid", "draft", "lookup")),
         _chain("ours-mid-draft-lookup-auto", ("mid", "draft", "lookup"), "cost_aware"),
         _chain("ours-mid-lookup", ("mid", "lookup")),
-        # the paper's shape: a 4-bit copy of the target as the middle level (hf_polybasic.four_bit)
+        # the paper's shape: a 4-bit copy of the target as the middle level (hf_polybasic.int4, .four_bit)
         _chain("ours-midnf4-draft-auto", ("mid-nf4", "draft"), "cost_aware"),
         _chain("ours-midnf4-draft-lookup-auto", ("mid-nf4", "draft", "lookup"), "cost_aware"),
         _chain("ours-midint4-draft-auto", ("mid-int4", "draft"), "cost_aware"),
