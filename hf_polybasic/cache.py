@@ -65,6 +65,26 @@ def check_rollback_support(model: torch.nn.Module, cache, role: str) -> None:
         )
 
 
+def to_target_vocabulary(logits: torch.Tensor, vocab_limit: int | None) -> torch.Tensor:
+    """An assistant's logits at the target's output width: ids it lacks (padding rows of the
+    target's output layer) get -inf, so they are never proposed."""
+    if vocab_limit is not None and logits.shape[-1] < vocab_limit:
+        logits = torch.nn.functional.pad(logits, (0, vocab_limit - logits.shape[-1]), value=-float("inf"))
+    return logits
+
+
+def check_ids(new_ids: torch.LongTensor, input_vocabulary: int, role: str) -> None:
+    """A clear error, not an IndexError in the embedding, for an id a model cannot embed (an
+    assistant whose vocabulary lacks a few of the target's padding rows, see `hf_polybasic.vocabulary`)."""
+    largest = int(new_ids.max()) if new_ids.numel() else -1
+    if largest >= input_vocabulary:
+        raise ValueError(
+            f"token id {largest} was generated but {role} has only {input_vocabulary} token "
+            "ids; every model of a chain must use the target's tokenizer (its vocabulary must cover every id "
+            "the target emits)"
+        )
+
+
 # A batch's cache is compacted (every row's tokens moved next to each other, holes dropped) once it
 # holds more than this many slots per token of its longest row
 COMPACT_RATIO = 1.25
@@ -276,21 +296,10 @@ class CachedModel:
             self.lengths[row] = count
 
     def _to_target_vocabulary(self, logits: torch.Tensor) -> torch.Tensor:
-        if self.vocab_limit is not None and logits.shape[-1] < self.vocab_limit:
-            # ids this model lacks (padding rows of the target's output layer) are never proposed
-            logits = torch.nn.functional.pad(logits, (0, self.vocab_limit - logits.shape[-1]), value=-float("inf"))
-        return logits
+        return to_target_vocabulary(logits, self.vocab_limit)
 
     def _check_ids(self, new_ids: torch.LongTensor) -> None:
-        """A clear error, not an IndexError in the embedding, for an id this model cannot embed (an
-        assistant whose vocabulary lacks a few of the target's padding rows, see `hf_polybasic.vocabulary`)."""
-        largest = int(new_ids.max()) if new_ids.numel() else -1
-        if largest >= self.input_vocabulary:
-            raise ValueError(
-                f"token id {largest} was generated but {self.role} has only {self.input_vocabulary} token "
-                "ids; every model of a chain must use the target's tokenizer (its vocabulary must cover every id "
-                "the target emits)"
-            )
+        check_ids(new_ids, self.input_vocabulary, self.role)
 
     def rollback_to(self, length: int) -> None:
         """Forget the only row's cached tokens past ``length`` (no-op if fewer are cached)."""

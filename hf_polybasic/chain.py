@@ -34,10 +34,11 @@ from .costs import CostCurves, CostEstimate
 from .drafters import AddedPromptLookup, Drafter
 from .drafting import DrafterLevel, ModelDrafter, ScheduledRows
 from .processing import DecodingRules, process_positions
-from .protocol import Block, Level, Proposal
+from .protocol import Block, Level, Proposal, Runner
 from .schedule import BatchGate, Schedule, ShapeGate, make_schedule
 from .schedule.calibration import remembered as remembered_calibration
-from .static import StaticRunner, compile_problem, static_problem
+from .probe import compile_problem, static_problem
+from .static import StaticRunner
 from .stats import LevelStats, PolybasicStats
 from .timing import DEFAULT_CLOCK, Clock, timed
 from .verify import greedy_decision, speculative_decision
@@ -75,7 +76,7 @@ class Verifier:
 
     def __init__(
         self,
-        runner: CachedModel,
+        runner: Runner,
         child: Level,
         rules: dict[int, DecodingRules],
         stats: LevelStats,

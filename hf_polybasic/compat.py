@@ -340,6 +340,25 @@ def _gather_along(tensor: torch.Tensor, index: torch.LongTensor, dim: int) -> to
     return tensor.gather(dim, expanded)
 
 
+# --- static caches (hf_polybasic.static) -------------------------------------------------------------
+# A static runner's cache is a transformers `Cache` of layers of its own (`CacheLayerMixin`, whose
+# abstract methods differ between releases: the layer implements every name any release asks for),
+# so that models call ``update`` on it as on any cache. Both base classes exist from 4.56 on.
+from transformers.cache_utils import Cache as CacheBase  # noqa: E402
+from transformers.cache_utils import CacheLayerMixin as CacheLayerBase  # noqa: E402
+
+
+def attention_implementation(model) -> str:
+    """The attention implementation the model's config names (``_attn_implementation``: "sdpa",
+    "eager", "flash_attention_2", "flex_attention", ...); "eager" where none is set."""
+    return str(getattr(model.config, "_attn_implementation", None) or "eager")
+
+
+def decoder_layer_count(model) -> int:
+    """Decoder layers of the model (its text config's ``num_hidden_layers``): one cache layer each."""
+    return int(model.config.get_text_config(decoder=True).num_hidden_layers)
+
+
 # --- recurrent state (hybrid models) ------------------------------------------------------------------
 # transformers >= 5.15 keeps the state of every linear-attention, state-space and short-convolution
 # layer in cache layers of one kind (``LinearAttentionCacheLayerMixin``), with per-state dicts

@@ -11,10 +11,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .cache import CachedModel
 from .drafters import Drafter
 from .processing import DecodingRules, process_positions
-from .protocol import Block, Proposal
+from .protocol import Block, Proposal, Runner
 from .schedule import Schedule
 from .stats import LevelStats
 from .timing import DEFAULT_CLOCK, Clock, timed
@@ -78,7 +77,7 @@ class ModelDrafter(ScheduledRows):
 
     def __init__(
         self,
-        runner: CachedModel,
+        runner: Runner,
         rules: dict[int, DecodingRules],
         stats: LevelStats,
         schedules: dict[int, Schedule],

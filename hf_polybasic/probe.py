@@ -1,6 +1,6 @@
 """What a model's forward does with a cache and with holes, checked once per model on a tiny input.
 
-A chain relies on two properties that a model's class does not state and some models lack:
+A chain relies on properties that a model's class does not state and some models lack:
 
 * **its cache is its past** (`cache_problem`): logits for tokens fed on top of a cache, after a
   rollback, equal a full forward's. Models that silently drop ``past_key_values`` (OpenAI-GPT keeps
@@ -11,8 +11,13 @@ A chain relies on two properties that a model's class does not state and some mo
   share forwards through one cache with holes (`hf_polybasic.cache.CachedModel`); a model that
   takes positions from the cache's physical length instead of ``position_ids`` (TrOCR) or whose
   window counts slots would see another row's layout. Such a batch is decoded row by row.
+* **its logits on a static cache are its logits** (`static_problem`): the static runner
+  (`hf_polybasic.static`) attends over a preallocated cache under a 4-D mask of its own; a model
+  that builds its own mask or position bias from a 2-D one (BLOOM) or has windowed or recurrent
+  layers keeps the dynamic runner. Whether its forwards may be compiled now (`compile_problem`:
+  no forward hooks) is asked at every call.
 
-Each probe runs the package's own `CachedModel` on a few deterministic token ids, against the same
+Each probe runs the package's own runner on a few deterministic token ids, against the same
 rows decoded alone (and a full forward), and is remembered per model object. What it cannot show
 from the model's outputs (windows longer than the probe, recurrent state) is decided from the cache
 layers (`hf_polybasic.compat.windowed_layers`).
@@ -47,6 +52,7 @@ DYNAMIC_NULL_SHARE = 0.9
 
 _cache_problems: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _rows_problems: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_static_problems: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _lock = threading.Lock()
 
 
@@ -189,3 +195,59 @@ def _check_rows(model: torch.nn.Module) -> tuple[str | None, str | None]:
     except Exception as error:  # noqa: BLE001 - a model that cannot run a batch with holes is answered the same way
         return f"{model_label(model)} cannot run a batch whose rows have holes ({type(error).__name__}: {error})", None
     return None, None
+
+
+def compile_problem(model: torch.nn.Module) -> str | None:
+    """Why ``model``'s forwards should not be compiled now, or None (checked at every call: hooks
+    come and go): forward hooks on it or a submodule run Python at every forward (accelerate's
+    device hooks move weights, a restricted vocabulary grows its output layer), which a graph
+    would either freeze or break on."""
+    hooked = next((name or type(model).__name__ for name, module in model.named_modules()
+                   if module._forward_hooks or module._forward_pre_hooks), None)
+    if hooked is not None:
+        return f"it has forward hooks ({hooked}: Python run at every forward, e.g. accelerate's or a counter's)"
+    return None
+
+
+# --- which models a static runner takes (`hf_polybasic.static`) ------------------------------------------
+def static_problem(model: torch.nn.Module) -> str | None:
+    """Why ``model`` cannot decode exactly on a `StaticRunner`, or None (checked once per model):
+    recurrent or windowed layers, an attention implementation that takes no explicit mask, or a
+    probe whose logits differ from full forwards: two rows of different lengths fed together, one
+    rolled back and fed other tokens (a model that builds its own mask or position bias from a 2-D
+    attention mask, such as BLOOM's ALiBi, fails it)."""
+    return _remembered(_static_problems, model, _check_static)
+
+
+def _check_static(model: torch.nn.Module) -> str | None:
+    from .recurrent import recurrent_layers
+    from .static import StaticRunner, capacity_for
+
+    if recurrent_layers(model) or compat.is_stateful(model):
+        return "it has recurrent layers (their state is not a slot per token)"
+    windowed = compat.windowed_layers(model)
+    if windowed:
+        index, kind = windowed[0]
+        return f"it has windowed attention (layer {index}: {kind}), which the static runner's masks do not apply"
+    implementation = compat.attention_implementation(model)
+    if implementation not in ("sdpa", "eager"):
+        return f"its attention implementation {implementation!r} takes no explicit attention mask (sdpa and eager do)"
+    a, b = _probe_ids(model, 16, seed=2), _probe_ids(model, 8, seed=3)
+    steps = [{0: (a[:2], 1), 1: (b[:2], 1)}, {0: (a[:12], 3), 1: (b[:3], 1)}, {0: (torch.cat([a[:6], b[:5]]), 3),
+                                                                               1: (b[:8], 3)}]
+    try:
+        runner = StaticRunner(model, model_label(model), capacity_for(32), rows=2)
+        try:
+            for number, step in enumerate(steps):
+                if number == 2:
+                    runner.rollback_rows({0: 6})
+                logits = runner.logits_rows(step)
+                for row, (sequence, count) in step.items():
+                    if _differs(logits[row], _full_logits(model, sequence, count), _tolerance(model)):
+                        return ("its logits on a static cache differ from a full forward's (it builds its own mask or "
+                                "position bias, or reads positions off the cache)")
+        finally:
+            runner.close()
+    except Exception as error:  # noqa: BLE001 - a model that cannot run on the static cache is answered the same way
+        return f"a forward on a static cache fails ({type(error).__name__}: {error})"
+    return None

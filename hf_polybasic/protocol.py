@@ -12,6 +12,12 @@ down. Every level below the target implements `Level`:
   everything so far is final (the target verified it), here and below;
 * ``release_rows(rows)``: these rows are done; they leave every later forward, here and below.
 
+A level that runs a model drives it through a `Runner`: the model and the cache it decodes on, fed
+incrementally along each row's token sequence. Two kinds serve the same protocol, and the chain
+does not know which it has: `hf_polybasic.cache.CachedModel` (a `DynamicCache`, rolled back by
+cutting its tail) and `hf_polybasic.static.StaticRunner` (a preallocated cache, padded widths,
+compiled forwards).
+
 Vocabulary (the same everywhere in the package):
 
 * **proposal**: the tokens a level hands to the level above in one call, ``tokens`` ``[m]``, and
@@ -122,6 +128,51 @@ class Block:
     def proposal(self) -> Proposal:
         probs = torch.cat(self._probs) if self._probs else None
         return Proposal(self.tokens, probs, list(self._ids))
+
+
+class Runner(Protocol):
+    """One model and its cache for the rows of a batch (see the module docstring).
+
+    Attributes: ``model``, ``role`` (its name in messages), ``lengths`` (per row, tokens of its
+    current sequence held in the cache), ``forward_passes``, ``live_rows`` (rows not released),
+    ``cost_observer`` (told ``observe(tokens, seconds, rows)`` after forwards, when set), ``states``
+    (a hybrid model's recurrent-state copies, else None).
+    """
+
+    model: torch.nn.Module
+    role: str
+    lengths: list[int]
+    forward_passes: int
+    cost_observer: object | None
+    states: object | None
+
+    @property
+    def live_rows(self) -> int: ...
+
+    def logits(self, sequence: torch.LongTensor, num_positions: int) -> torch.Tensor:
+        """Float32 logits ``[num_positions, V]`` for the last positions of ``sequence`` (row 0)."""
+        ...
+
+    def logits_rows(self, requests: dict[int, tuple[torch.LongTensor, int]]) -> dict[int, torch.Tensor]:
+        """``{row: (sequence [L], num_positions)}`` -> ``{row: [num_positions, V]}``, one forward; row j
+        of a result predicts the token after ``sequence[:L - num_positions + 1 + j]``."""
+        ...
+
+    def rollback_to(self, length: int) -> None: ...
+
+    def rollback_rows(self, lengths: dict[int, int]) -> None:
+        """Forget each row's tokens past its length (no-op where fewer are held)."""
+        ...
+
+    def release_rows(self, rows) -> None: ...
+
+    def commit(self) -> None:
+        """Everything held is final: nothing before it will be rolled back."""
+        ...
+
+    def prefill_repeated(self, prompts: dict[int, torch.LongTensor], repeats: int) -> None:
+        """Hold every row's prompt but its last token; rows come in groups of ``repeats`` identical prompts."""
+        ...
 
 
 class Level(Protocol):

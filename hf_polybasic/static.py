@@ -19,10 +19,10 @@ from the write positions. Hence:
   one graph per bucket that decoding uses, made the first time it comes up (a prompt's prefill,
   once per call and of any width, runs uncompiled).
 
-Which models it takes is checked, not assumed (`static_problem`): attention over one cache layer
-kind without windows, no recurrent state, an attention implementation that takes an explicit
-mask (sdpa, eager), and a probe on a few tokens (rollbacks, two rows of different lengths) whose
-logits must equal full forwards'. Anything else keeps the dynamic runner, with the reason said.
+Which models it takes is checked, not assumed (`hf_polybasic.probe.static_problem`): attention over
+one cache layer kind without windows, no recurrent state, an attention implementation that takes an
+explicit mask (sdpa, eager), and a probe on a few tokens (rollbacks, two rows of different lengths)
+whose logits must equal full forwards'. Anything else keeps the dynamic runner, with the reason said.
 """
 
 from __future__ import annotations
@@ -34,29 +34,8 @@ from collections.abc import Callable
 import torch
 
 from . import compat
-from .cache import input_vocabulary_size, model_label
+from .cache import check_ids, input_vocabulary_size, to_target_vocabulary
 from .timing import DEFAULT_CLOCK, Clock, ForwardTimer, cuda_devices
-
-# --- transformers internals (to move into compat.py) ---
-from transformers.cache_utils import Cache as _CacheBase, CacheLayerMixin as _CacheLayerBase
-
-
-class compat_static:
-    CacheBase = _CacheBase
-    CacheLayerBase = _CacheLayerBase
-
-    @staticmethod
-    def is_compiling() -> bool:
-        return torch.compiler.is_compiling()
-
-    @staticmethod
-    def decoder_layer_count(model) -> int:
-        return int(model.config.get_text_config(decoder=True).num_hidden_layers)
-
-    @staticmethod
-    def attention_implementation(model) -> str:
-        return str(getattr(model.config, "_attn_implementation", None) or "eager")
-
 
 # Widths a forward is padded to (tokens per row); a wider forward (a prompt's prefill) runs
 # uncompiled at its own width.
@@ -81,7 +60,7 @@ def capacity_for(max_length: int, widths: tuple[int, ...] = WIDTHS) -> int:
     return -(-needed // CAPACITY_STEP) * CAPACITY_STEP
 
 
-class SlotCache(compat_static.CacheBase):
+class SlotCache(compat.CacheBase):
     """A transformers `Cache` whose layers keep ``[rows, heads, capacity, dim]`` keys and values and
     write each new token at the slot `write_slots` ``[rows, width]`` names (set before each forward);
     every forward attends over all ``capacity`` slots (the mask says which it sees)."""
@@ -104,7 +83,7 @@ class SlotCache(compat_static.CacheBase):
         return True
 
 
-class SlotLayer(compat_static.CacheLayerBase):
+class SlotLayer(compat.CacheLayerBase):
     """One layer of a `SlotCache` (allocated at its first update, then written in place)."""
 
     is_compileable = True
@@ -121,7 +100,7 @@ class SlotLayer(compat_static.CacheLayerBase):
         self.keys = key_states.new_zeros(rows, heads, self.max_cache_len, key_states.shape[-1])
         self.values = value_states.new_zeros(rows, value_states.shape[1], self.max_cache_len, value_states.shape[-1])
         self.dtype, self.device = key_states.dtype, key_states.device
-        if not compat_static.is_compiling():  # fixed addresses: CUDA graphs read and write them in place
+        if not torch.compiler.is_compiling():  # fixed addresses: CUDA graphs read and write them in place
             torch._dynamo.mark_static_address(self.keys)
             torch._dynamo.mark_static_address(self.values)
         self.is_initialized = True
@@ -234,7 +213,7 @@ def take_cache(model, rows: int, capacity: int) -> SlotCache:
         free = _pool.get(model, {}).get((rows, capacity))
         if free:
             return free.pop()
-    return SlotCache(compat_static.decoder_layer_count(model), capacity, rows)
+    return SlotCache(compat.decoder_layer_count(model), capacity, rows)
 
 
 def return_cache(model, cache: SlotCache) -> None:
@@ -288,7 +267,7 @@ class StaticRunner:
         self.cost_observer = None
         self.input_vocabulary = input_vocabulary_size(model)
         self._ids_need_check = vocab_limit is not None and self.input_vocabulary < vocab_limit
-        float_mask = compat_static.attention_implementation(model) != "sdpa"
+        float_mask = compat.attention_implementation(model) != "sdpa"
         self._plain = forward_for(model, False, float_mask)
         self.compiled = compiled
         self._compiled = forward_for(model, True, float_mask) if compiled else None
@@ -325,7 +304,7 @@ class StaticRunner:
             fed[row] = sequence[self.lengths[row] :]
         prefill = any(self.lengths[row] == 0 for row in requests)
         if self._ids_need_check:
-            self._check_ids(torch.cat(list(fed.values())))
+            check_ids(torch.cat(list(fed.values())), self.input_vocabulary, self.role)
         needed = max(int(tokens.shape[0]) for tokens in fed.values())
         width = bucket(needed, self.widths)
         input_ids, position_ids, slots = self._inputs(fed, width)
@@ -344,7 +323,8 @@ class StaticRunner:
         out = {}
         for row, (sequence, num_positions) in requests.items():
             count = int(fed[row].shape[0])
-            out[row] = self._to_target_vocabulary(logits[row, count - num_positions : count, : self.vocab_limit].float())
+            out[row] = to_target_vocabulary(logits[row, count - num_positions : count, : self.vocab_limit].float(),
+                                            self.vocab_limit)
             self.lengths[row] = sequence.shape[0]
         return out
 
@@ -378,20 +358,6 @@ class StaticRunner:
         if requests:
             self.logits_rows(requests)
 
-    def _to_target_vocabulary(self, logits: torch.Tensor) -> torch.Tensor:
-        if self.vocab_limit is not None and logits.shape[-1] < self.vocab_limit:
-            logits = torch.nn.functional.pad(logits, (0, self.vocab_limit - logits.shape[-1]), value=-float("inf"))
-        return logits
-
-    def _check_ids(self, new_ids: torch.LongTensor) -> None:
-        largest = int(new_ids.max()) if new_ids.numel() else -1
-        if largest >= self.input_vocabulary:
-            raise ValueError(
-                f"token id {largest} was generated but {self.role} has only {self.input_vocabulary} token "
-                "ids; every model of a chain must use the target's tokenizer (its vocabulary must cover every id "
-                "the target emits)"
-            )
-
     def rollback_to(self, length: int) -> None:
         self.rollback_rows({0: length})
 
@@ -417,70 +383,3 @@ class StaticRunner:
         for index, layer in enumerate(self.cache.layers):
             cache.update(layer.keys[row : row + 1, :, :length].clone(), layer.values[row : row + 1, :, :length].clone(),
                          index)
-
-
-
-def compile_problem(model: torch.nn.Module) -> str | None:
-    """Why ``model``'s forwards should not be compiled now, or None (checked at every call: hooks
-    come and go): forward hooks on it or a submodule run Python at every forward (accelerate's
-    device hooks move weights, a restricted vocabulary grows its output layer), which a graph
-    would either freeze or break on."""
-    hooked = next((name or type(model).__name__ for name, module in model.named_modules()
-                   if module._forward_hooks or module._forward_pre_hooks), None)
-    if hooked is not None:
-        return f"it has forward hooks ({hooked}: Python run at every forward, e.g. accelerate's or a counter's)"
-    return None
-
-
-# --- which models a StaticRunner takes ------------------------------------------------------------------
-_problems: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def static_problem(model: torch.nn.Module) -> str | None:
-    """Why ``model`` cannot decode exactly on a `StaticRunner`, or None (checked once per model):
-    recurrent or windowed layers, an attention implementation that takes no explicit mask, or a
-    probe whose logits differ from full forwards: two rows of different lengths fed together, one
-    rolled back and fed other tokens (a model that builds its own mask or position bias from a 2-D
-    attention mask, such as BLOOM's ALiBi, fails it)."""
-    with _pool_lock:
-        if model in _problems:
-            return _problems[model]
-    with torch.no_grad():
-        found = _find_problem(model)
-    with _pool_lock:
-        _problems[model] = found
-    return found
-
-
-def _find_problem(model: torch.nn.Module) -> str | None:
-    from .probe import _differs, _full_logits, _probe_ids, _tolerance
-    from .recurrent import recurrent_layers
-
-    if recurrent_layers(model) or compat.is_stateful(model):
-        return "it has recurrent layers (their state is not a slot per token)"
-    windowed = compat.windowed_layers(model)
-    if windowed:
-        index, kind = windowed[0]
-        return f"it has windowed attention (layer {index}: {kind}), which the static runner's masks do not apply"
-    implementation = compat_static.attention_implementation(model)
-    if implementation not in ("sdpa", "eager"):
-        return f"its attention implementation {implementation!r} takes no explicit attention mask (sdpa and eager do)"
-    a, b = _probe_ids(model, 16, seed=2), _probe_ids(model, 8, seed=3)
-    steps = [{0: (a[:2], 1), 1: (b[:2], 1)}, {0: (a[:12], 3), 1: (b[:3], 1)}, {0: (torch.cat([a[:6], b[:5]]), 3),
-                                                                               1: (b[:8], 3)}]
-    try:
-        runner = StaticRunner(model, model_label(model), capacity_for(32), rows=2)
-        try:
-            for number, step in enumerate(steps):
-                if number == 2:
-                    runner.rollback_rows({0: 6})
-                logits = runner.logits_rows(step)
-                for row, (sequence, count) in step.items():
-                    if _differs(logits[row], _full_logits(model, sequence, count), _tolerance(model)):
-                        return ("its logits on a static cache differ from a full forward's (it builds its own mask or "
-                                "position bias, or reads positions off the cache)")
-        finally:
-            runner.close()
-    except Exception as error:  # noqa: BLE001 - a model that cannot run on the static cache is answered the same way
-        return f"a forward on a static cache fails ({type(error).__name__}: {error})"
-    return None

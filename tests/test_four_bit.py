@@ -8,6 +8,7 @@ import sys
 import pytest
 import torch
 from distribution import assert_every_level_took_part
+from test_int4 import assert_independent_of_its_source
 
 import hf_polybasic as hp
 from hf_polybasic import four_bit
@@ -34,12 +35,7 @@ def test_an_nf4_copy_is_independent_of_its_source(tied):
     linear = [name for name, m in target.named_modules() if type(m) is torch.nn.Linear and name != "lm_head"]
     assert all(isinstance(copy.get_submodule(name), four_bit.nf4_linear_type()) for name in linear)
     assert type(copy.lm_head) is torch.nn.Linear and copy.lm_head.weight.dtype == torch.bfloat16
-    expected = copy(ids).logits
-    with torch.no_grad():
-        for parameter in target.parameters():
-            parameter.zero_()
-    target.to(torch.float16)
-    assert torch.equal(copy(ids).logits, expected)
+    assert_independent_of_its_source(copy, target, ids)
 
 
 @needs_bitsandbytes

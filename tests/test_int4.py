@@ -195,6 +195,15 @@ def test_shapes_devices_and_options_the_kernels_cannot_take_are_clear_errors(mon
 
 
 # --------------------------------------------------------------------------------------- the copy
+def assert_independent_of_its_source(copy, target, ids) -> None:
+    """Whatever is done to ``target`` later (its weights zeroed, cast), ``copy`` computes the same."""
+    expected = copy(ids).logits
+    with torch.no_grad():
+        for parameter in target.parameters():
+            parameter.zero_()
+    target.to(torch.float16)
+    assert torch.equal(copy(ids).logits, expected)
+
 @pytest.mark.parametrize("tied", [False, True])
 def test_an_int4_copy_shares_no_tensor_with_its_target(tied):
     target = _target(tied=tied)
@@ -210,12 +219,7 @@ def test_an_int4_copy_shares_no_tensor_with_its_target(tied):
     assert sum(isinstance(m, int4.Int4Linear) for m in copy.modules()) == len(linear) - 1
     assert type(copy.lm_head) is torch.nn.Linear and copy.lm_head.weight.dtype == torch.bfloat16
     assert {t.dtype for t in copy.parameters() if t.is_floating_point()} == {torch.bfloat16}
-    expected = copy(ids).logits
-    with torch.no_grad():
-        for parameter in target.parameters():
-            parameter.zero_()
-    target.to(torch.float16)
-    assert torch.equal(copy(ids).logits, expected)
+    assert_independent_of_its_source(copy, target, ids)
 
 
 def test_an_int4_copy_needs_neither_torchao_nor_bitsandbytes(monkeypatch):

@@ -21,10 +21,11 @@ from hypothesis import strategies as st
 from torch._dynamo.utils import counters
 
 import hf_polybasic as hp
-from hf_polybasic import compat, static
+from hf_polybasic import compat, probe, static
 from hf_polybasic.cache import CachedModel
 from hf_polybasic.drafters import PromptLookup
-from hf_polybasic.static import WIDTHS, StaticRunner, bucket, capacity_for, static_problem
+from hf_polybasic.probe import static_problem
+from hf_polybasic.static import WIDTHS, StaticRunner, bucket, capacity_for
 from hf_polybasic.testing import TINY_ARCHITECTURES, make_target, noisy_copy, prompt, tiny_chain
 
 @pytest.fixture(autouse=True)
@@ -112,9 +113,9 @@ def test_models_the_static_runner_refuses_say_why(shared_models):
     hooked = make_target("llama", seed=5)
     handle = hooked.model.layers[0].register_forward_pre_hook(lambda module, args: None)
     assert static_problem(hooked) is None  # a hook runs as well on a static cache, uncompiled
-    assert "forward hooks (model.layers.0" in static.compile_problem(hooked)
+    assert "forward hooks (model.layers.0" in probe.compile_problem(hooked)
     handle.remove()
-    assert static.compile_problem(hooked) is None
+    assert probe.compile_problem(hooked) is None
     eager = make_target("llama", seed=6)
     eager.config._attn_implementation = "flash_attention_2"
     assert "takes no explicit attention mask" in static_problem(eager)
