@@ -73,6 +73,10 @@ MATRIX_RELEASES := 4.57.6 5.17.0 5.23.0 5.20.2 5.14.1 5.4.0
 MATRIX_TESTS := tests/test_compat.py tests/test_greedy_equality.py tests/test_generate_features.py tests/test_batches.py
 MATRIX_MORE_RELEASES := 4.57.6
 MATRIX_MORE_TESTS := tests/test_sampling_distribution.py tests/test_vocab_head.py
+# the static runner where a release's caches or masks differ for it (4.57: custom 4-D masks checked
+# against the cache; 5.4: generate keeps its own static cache on the model; 5.17: the last before 5.18's caches)
+STATIC_RELEASES := 4.57.6 5.4.0 5.17.0
+STATIC_TESTS := tests/test_static.py -k "not inductor"
 
 test-matrix: $(addprefix test-transformers-,$(MATRIX_RELEASES))
 
@@ -85,9 +89,11 @@ test-transformers-%: .matrix/transformers-%/.installed
 	@echo "== transformers $*: $(MATRIX_TESTS) $(if $(filter $*,$(MATRIX_MORE_RELEASES)),$(MATRIX_MORE_TESTS))"
 	PYTHONPATH=.matrix/transformers-$* $(BIN)/python -m pytest -q -p no:cacheprovider $(MATRIX_TESTS) \
 	  $(if $(filter $*,$(MATRIX_MORE_RELEASES)),$(MATRIX_MORE_TESTS))
+	$(if $(filter $*,$(STATIC_RELEASES)),PYTHONPATH=.matrix/transformers-$* $(BIN)/python -m pytest -q -p no:cacheprovider $(STATIC_TESTS))
 
 # The torch floor (pyproject.toml: torch>=$(TORCH_FLOOR); the project's GPU machines run it):
-# MATRIX_TESTS and the distribution tests on the .venv's transformers.
+# MATRIX_TESTS, the distribution tests, the static runner (its dynamo and inductor) and the int4
+# kernels on the .venv's transformers.
 TORCH_FLOOR := 2.11.0
 TORCH_FLOOR_DIR := .matrix/torch-$(TORCH_FLOOR)
 $(TORCH_FLOOR_DIR)/.installed: | $(VENV)/.installed
@@ -96,8 +102,9 @@ $(TORCH_FLOOR_DIR)/.installed: | $(VENV)/.installed
 	touch $@
 
 test-torch-floor: $(TORCH_FLOOR_DIR)/.installed
-	@echo "== torch $(TORCH_FLOOR): $(MATRIX_TESTS) tests/test_sampling_distribution.py"
-	PYTHONPATH=$(TORCH_FLOOR_DIR) $(BIN)/python -m pytest -q -p no:cacheprovider $(MATRIX_TESTS) tests/test_sampling_distribution.py
+	@echo "== torch $(TORCH_FLOOR): $(MATRIX_TESTS) tests/test_sampling_distribution.py tests/test_static.py tests/test_int4.py"
+	PYTHONPATH=$(TORCH_FLOOR_DIR) $(BIN)/python -m pytest -q -p no:cacheprovider $(MATRIX_TESTS) \
+	  tests/test_sampling_distribution.py tests/test_static.py tests/test_int4.py
 
 # mutmut 3 (the `mutation` extra) on a seeded, per-module stratified sample of the mutants of the
 # decoding core (modules and tests: [tool.mutmut] in pyproject.toml; sampling and the per-module

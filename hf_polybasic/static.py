@@ -54,9 +54,10 @@ def bucket(width: int, widths: tuple[int, ...] = WIDTHS) -> int:
 
 
 def capacity_for(max_length: int, widths: tuple[int, ...] = WIDTHS) -> int:
-    """Slots a row needs to decode up to ``max_length`` tokens (the last forward's padding included),
-    rounded up to `CAPACITY_STEP`."""
-    needed = max_length + max(widths)
+    """Slots a row needs to decode up to ``max_length`` tokens (the last forward's padding included,
+    and the one token past the budget an intermediate level's verification may score), rounded up
+    to `CAPACITY_STEP`."""
+    needed = max_length + 1 + max(widths)
     return -(-needed // CAPACITY_STEP) * CAPACITY_STEP
 
 
@@ -323,8 +324,9 @@ class StaticRunner:
         out = {}
         for row, (sequence, num_positions) in requests.items():
             count = int(fed[row].shape[0])
-            out[row] = to_target_vocabulary(logits[row, count - num_positions : count, : self.vocab_limit].float(),
-                                            self.vocab_limit)
+            # a copy, always: a CUDA graph's output is overwritten by its next replay, and levels keep scores
+            picked = logits[row, count - num_positions : count, : self.vocab_limit].to(torch.float32, copy=True)
+            out[row] = to_target_vocabulary(picked, self.vocab_limit)
             self.lengths[row] = sequence.shape[0]
         return out
 

@@ -179,6 +179,8 @@ def test_what_a_call_learned_starts_the_next_call_of_the_same_pair(monkeypatch):
     assert second.acceptance(0.3) > 0.95 and second.observations == 0
     assert sum(trials for _, trials in second._accepted) <= calibration_module.CARRIED_WEIGHT * len(second._accepted)
     assert memory.start(drafter, other).acceptance(0.3) == pytest.approx(0.65)  # another verifier: the prior
+    memory.keep(drafter, other, memory.start(drafter, other))  # a second pair of the same drafter
+    assert memory.start(drafter, target).acceptance(0.3) > 0.95  # kept beside it, not overwritten
 
 
 def test_a_chain_keeps_its_levels_calibrations_for_the_next_call(monkeypatch):

@@ -45,7 +45,8 @@ def _full(model, sequence: torch.LongTensor, count: int) -> torch.Tensor:
 
 def test_bucket_and_capacity():
     assert [bucket(k) for k in (1, 2, 3, 5, 8, 9, 17, 32, 33)] == [1, 2, 4, 8, 8, 16, 32, 32, 33]
-    assert capacity_for(10) == 256 and capacity_for(256 - max(WIDTHS)) == 256 and capacity_for(300) == 512
+    assert capacity_for(10) == 256 and capacity_for(255 - max(WIDTHS)) == 256 and capacity_for(256 - max(WIDTHS)) == 512
+    assert capacity_for(300) == 512
 
 
 @pytest.mark.parametrize("arch", STATIC_ARCHITECTURES)
@@ -247,7 +248,7 @@ def test_threads_decode_with_one_model_at_once(shared_models):
         try:
             results[index] = target.generate(
                 prompts[index], custom_generate=hp.generate, assistant_models=chain, do_sample=False,
-                max_new_tokens=30, past_key_values=StaticCache(config=target.config, max_cache_len=64),
+                max_new_tokens=30, **{compat.cache_argument(target): StaticCache(config=target.config, max_cache_len=64)},
                 polybasic_config=hp.PolybasicConfig(schedule="constant"))
         except Exception as error:  # noqa: BLE001 - reported below
             errors.append(error)

@@ -86,18 +86,25 @@ class ConfidenceCalibration:
 
 
 class _Remembered:
-    """The latest calibration of each (proposing model, verifying model) pair, weakly held."""
+    """The latest calibration of each (proposing model, verifying model) pair, weakly held (a drafter
+    may propose to two levels: a middle one and, when that one sits out, the target)."""
 
     def __init__(self):
         self._lock = threading.Lock()
-        self._by_proposer: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._by_proposer: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # proposer -> [entries]
+
+    def _entry(self, proposer, verifier) -> tuple | None:
+        for entry in self._by_proposer.get(proposer, ()):
+            if entry[0]() is verifier:
+                return entry
+        return None
 
     def start(self, proposer, verifier) -> ConfidenceCalibration:
         """A calibration for a new call: what the last call of this pair learned (capped), else the prior."""
         calibration = ConfidenceCalibration()
         with self._lock:
-            entry = self._by_proposer.get(proposer)
-        if entry is not None and entry[0]() is verifier:
+            entry = self._entry(proposer, verifier)
+        if entry is not None:
             for mine, theirs in ((calibration._accepted, entry[1]), (calibration._next, entry[2])):
                 for cell, (successes, trials) in zip(mine, theirs):
                     scale = min(1.0, CARRIED_WEIGHT / trials) if trials else 1.0
@@ -108,7 +115,9 @@ class _Remembered:
         """What ``calibration`` learned, for the pair's next call."""
         tables = ([list(cell) for cell in calibration._accepted], [list(cell) for cell in calibration._next])
         with self._lock:
-            self._by_proposer[proposer] = (weakref.ref(verifier), *tables)
+            entries = [entry for entry in self._by_proposer.get(proposer, ())
+                       if entry[0]() is not None and entry[0]() is not verifier]
+            self._by_proposer[proposer] = [*entries, (weakref.ref(verifier), *tables)]
 
 
 remembered = _Remembered()
