@@ -114,6 +114,18 @@ def test_best_length_follows_cost_and_acceptance():
     assert best_length(0.8, 0.03, steep, maximum=16) < best_length(0.8, 0.03, flat, maximum=16)
 
 
+def test_best_length_prices_the_verification_of_the_proposal_and_one_more_and_ties_go_short():
+    # a static runner's widths: scoring up to 4 tokens costs one unit, 5 to 8 two; a proposal of l
+    # tokens is verified at width l + 1, so 3 is the longest that stays in the first width and pays
+    # best (E(3) = 3.44 per unit against E(8) = 6.13 per two units)
+    stepped = lambda k: 1.0 if k <= 4 else 2.0  # noqa: E731
+    assert best_length(0.9, 1e-6, stepped, maximum=8) == 3
+    # a drafter never right and free, with a flat verification: every length gives exactly one token per
+    # unit, and the tie goes to the shortest
+    assert best_length(0.0, 0.0, lambda k: 1.0, maximum=8) == 1
+    assert best_length(0.0, 0.0, lambda k: 1.0, maximum=8, minimum=2) == 2
+
+
 def test_one_more_token_pays_exactly_when_it_raises_the_rounds_rate():
     # E tokens for C seconds; one more adds g = S a tokens for m seconds
     for survival, acceptance, expected, seconds, marginal in [(0.9, 0.9, 4.0, 0.4, 0.05), (0.5, 0.5, 2.0, 0.2, 0.05),

@@ -80,6 +80,32 @@ def test_a_middle_level_that_never_proposes_is_bypassed_without_a_verdict():
     assert gate.bypassed and gate.verdict is None and "never proposed" in gate.describe()
 
 
+def test_rounds_where_the_middle_level_proposed_nothing_are_not_counted_for_it():
+    gate = ShapeGate(FLAT)
+    gate.observe(1, 1, 0, 0, (0, 0, 0))
+    assert gate.inside.rounds == 0
+    gate.observe(1, 3, 2, 4, (2, 5, 4))
+    assert gate.inside.rounds == 1
+
+
+def test_the_verdict_in_words_states_the_theorems_milliseconds():
+    gate = ShapeGate(FLAT)
+    _feed(gate, IN_ROUNDS + OUT_ROUNDS)
+    verdict = gate.verdict
+    saving = 1e3 * (verdict.upper_saving_per_token + verdict.lower_saving_per_token)
+    assert f"costs {1e3 * verdict.new_cost_per_token:.3g} ms per token" in gate.describe()
+    assert f"saves {saving:.3g} ms per token" in gate.describe()
+
+
+def test_a_verdict_kept_doubles_the_stretch_and_a_changed_one_starts_it_again():
+    gate = ShapeGate(FLAT)
+    _feed(gate, IN_ROUNDS + OUT_ROUNDS)  # the first verdict: out, for the first stretch
+    _feed(gate, FIRST_STRETCH + PROBE_ROUNDS)  # the stretch, a probe, the same verdict
+    assert gate.decisions == 2 and gate.bypassed
+    shapes = _feed(gate, 2 * FIRST_STRETCH)  # kept: the stretch is twice as long before the next probe
+    assert shapes == [True] * (2 * FIRST_STRETCH)
+
+
 def test_a_later_call_of_the_same_chain_starts_in_the_last_verdicts_shape():
     models = tuple(torch.nn.Linear(1, 1) for _ in range(3))
     first = ShapeGate(FLAT, models)

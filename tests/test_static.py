@@ -315,3 +315,10 @@ def test_negative_control_a_mask_that_sees_one_slot_too_far(distribution_models,
                                           cache_implementation="static")
     assert_every_level_took_part(stats)
     assert chi_square_p_value(counts, exact_distribution(setting)) < ALPHA
+
+
+def test_compile_options_capture_cuda_graphs_on_a_gpu_only():
+    """What ``compile=`` asks of torch.compile (the suite's own patch swaps it for the eager backend)."""
+    options = conftest.INDUCTOR_COMPILE_OPTIONS
+    assert options(torch.device("cuda")) == {"mode": "reduce-overhead", "dynamic": False}
+    assert options("cpu") == {"mode": None, "dynamic": False}
