@@ -561,6 +561,18 @@ def test_the_batch_gate_prices_the_drafters_prefill_against_what_the_budget_coul
     assert unpriced.prefill_pays()
 
 
+def test_plain_rounds_are_timed_per_row_down_to_one_row():
+    """Plain batched decoding's rate is the rows' tokens per second: a round of 4 rows in 0.1 s is 40
+    tokens/s, a round of the last row alone in 0.1 s is 10."""
+    flat, drafter = _estimate(lambda k: 0.1), _estimate(lambda k: 0.02)
+    for rows, rate in ((4, 40.0), (1, 10.0)):
+        gate = BatchGate(rows, flat, drafter)
+        gate.observe_round(rows, 1.0, rows)  # the prefill
+        assert gate.backoff.paused
+        gate.observe_round(rows, 0.1, rows)
+        assert gate.plain_rate() == pytest.approx(rate)
+
+
 def test_a_batch_that_rows_left_is_priced_again_as_the_smaller_batch_it_is():
     """A machine flat up to 8 tokens: 8 rows cannot draft, 2 rows can; when 6 rows are done and leave,
     the gate decides afresh and lets the 2 left draft (what the larger batch timed is dropped)."""
