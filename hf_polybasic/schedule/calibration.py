@@ -21,10 +21,10 @@ than it is sure (a small model's flat distributions, an early exit) is not cut s
 
 from __future__ import annotations
 
-import threading
-import weakref
 from bisect import bisect_right
 from collections.abc import Sequence
+
+from .memory import ModelMemory
 
 # confidence bins (upper edges); the last is [0.99, 1]
 BIN_EDGES = (0.2, 0.4, 0.6, 0.8, 0.9, 0.95, 0.99)
@@ -90,22 +90,14 @@ class _Remembered:
     may propose to two levels: a middle one and, when that one sits out, the target)."""
 
     def __init__(self):
-        self._lock = threading.Lock()
-        self._by_proposer: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # proposer -> [entries]
-
-    def _entry(self, proposer, verifier) -> tuple | None:
-        for entry in self._by_proposer.get(proposer, ()):
-            if entry[0]() is verifier:
-                return entry
-        return None
+        self._tables = ModelMemory()  # (proposer, verifier) -> (accepted, next) tables
 
     def start(self, proposer, verifier) -> ConfidenceCalibration:
         """A calibration for a new call: what the last call of this pair learned (capped), else the prior."""
         calibration = ConfidenceCalibration()
-        with self._lock:
-            entry = self._entry(proposer, verifier)
-        if entry is not None:
-            for mine, theirs in ((calibration._accepted, entry[1]), (calibration._next, entry[2])):
+        tables = self._tables.get((proposer, verifier))
+        if tables is not None:
+            for mine, theirs in zip((calibration._accepted, calibration._next), tables):
                 for cell, (successes, trials) in zip(mine, theirs):
                     scale = min(1.0, CARRIED_WEIGHT / trials) if trials else 1.0
                     cell[0], cell[1] = successes * scale, trials * scale
@@ -114,10 +106,7 @@ class _Remembered:
     def keep(self, proposer, verifier, calibration: ConfidenceCalibration) -> None:
         """What ``calibration`` learned, for the pair's next call."""
         tables = ([list(cell) for cell in calibration._accepted], [list(cell) for cell in calibration._next])
-        with self._lock:
-            entries = [entry for entry in self._by_proposer.get(proposer, ())
-                       if entry[0]() is not None and entry[0]() is not verifier]
-            self._by_proposer[proposer] = [*entries, (weakref.ref(verifier), *tables)]
+        self._tables.put((proposer, verifier), tables)
 
 
 remembered = _Remembered()

@@ -25,11 +25,10 @@ speculative decoding with the same drafter.
 from __future__ import annotations
 
 import copy
-import threading
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from .memory import ModelMemory
 from .rates import decayed
 
 # verifications of the level above with the middle level in before the first probe without it, the
@@ -69,21 +68,15 @@ class _Memory:
     """What a gate learned, by its three models (weakly held), for the next call of the same chain."""
 
     def __init__(self):
-        self._lock = threading.Lock()
-        self._by_middle: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._states = ModelMemory()  # (middle, above, below) -> state
 
     def get(self, models: tuple) -> dict | None:
         above, middle, below = models
-        with self._lock:
-            entry = self._by_middle.get(middle)
-        if entry is None or entry["above"]() is not above or entry["below"]() is not below:
-            return None
-        return entry
+        return self._states.get((middle, above, below))
 
     def put(self, models: tuple, state: dict) -> None:
         above, middle, below = models
-        with self._lock:
-            self._by_middle[middle] = {"above": weakref.ref(above), "below": weakref.ref(below), **state}
+        self._states.put((middle, above, below), state)
 
 
 remembered = _Memory()
