@@ -6,7 +6,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test test-quant4 test-matrix test-torch-floor quant4 mutation docs serve-docs clean
+.PHONY: demo test test-quant4 test-matrix test-torch-floor test-torch-newest quant4 mutation docs serve-docs clean
 # the install stamps are files; a test-transformers-<release> run is not
 .PRECIOUS: .matrix/transformers-%/.installed
 
@@ -51,10 +51,12 @@ $(QUANT4)/.installed: pyproject.toml $(VENV)/.installed
 # - test-matrix: one release of every band where the internals we touch changed, each installed
 #   beside .venv in .matrix/ (pure-Python wheels, seconds) and put first on PYTHONPATH;
 # - test-torch-floor: the lowest torch pyproject.toml admits, on the .venv's transformers, installed
-#   the same way (PyPI's CUDA build with its NVIDIA libraries, about 4.6 GB; it runs on the CPU).
+#   the same way (PyPI's CUDA build with its NVIDIA libraries, about 4.6 GB; it runs on the CPU);
+# - test-torch-newest: the newest torch release (requirements/torch-newest.txt), the same way (about
+#   5.3 GB), while the .venv keeps 2.13.0.
 test: $(VENV)/.installed
 	$(BIN)/python -m pytest -q
-	$(MAKE) --no-print-directory -j2 --output-sync=target test-torch-floor test-matrix test-quant4
+	$(MAKE) --no-print-directory -j2 --output-sync=target test-torch-floor test-torch-newest test-matrix test-quant4
 
 QUANT4_TESTS := tests/test_four_bit.py tests/test_machine_aware.py::test_the_costs_command_measures_every_variant_and_writes_its_table
 test-quant4: $(QUANT4)/.installed
@@ -105,6 +107,23 @@ test-torch-floor: $(TORCH_FLOOR_DIR)/.installed
 	@echo "== torch $(TORCH_FLOOR): $(MATRIX_TESTS) tests/test_sampling_distribution.py tests/test_static.py tests/test_int4.py"
 	PYTHONPATH=$(TORCH_FLOOR_DIR) $(BIN)/python -m pytest -q -p no:cacheprovider $(MATRIX_TESTS) \
 	  tests/test_sampling_distribution.py tests/test_static.py tests/test_int4.py
+
+# The newest torch release (pyproject.toml admits it: torch>=$(TORCH_FLOOR), no upper bound), asked for
+# through requirements/torch-newest.txt (which pins torch==$(TORCH_NEWEST)), on the .venv's
+# transformers: the static runner and the compiled one (dynamo, inductor on the CPU), the int4 kernels,
+# the oracle and the distribution tests. Bump both together when PyPI serves a newer torch.
+TORCH_NEWEST := 2.15.0
+TORCH_NEWEST_DIR := .matrix/torch-$(TORCH_NEWEST)
+TORCH_NEWEST_TESTS := tests/test_static.py tests/test_int4.py tests/test_oracle.py tests/test_sampling_distribution.py
+$(TORCH_NEWEST_DIR)/.installed: requirements/torch-newest.txt | $(VENV)/.installed
+	grep -qx 'torch==$(TORCH_NEWEST)' $< || { echo "$< does not pin torch==$(TORCH_NEWEST) (TORCH_NEWEST)"; exit 1; }
+	rm -rf $(@D)
+	$(BIN)/pip install --quiet --no-warn-conflicts --target $(@D) -r $<
+	touch $@
+
+test-torch-newest: $(TORCH_NEWEST_DIR)/.installed
+	@echo "== torch $(TORCH_NEWEST): $(TORCH_NEWEST_TESTS)"
+	PYTHONPATH=$(TORCH_NEWEST_DIR) $(BIN)/python -m pytest -q -p no:cacheprovider $(TORCH_NEWEST_TESTS)
 
 # mutmut 3 (the `mutation` extra) on a seeded, per-module stratified sample of the mutants of the
 # decoding core (modules and tests: [tool.mutmut] in pyproject.toml; sampling and the per-module
