@@ -14,8 +14,10 @@ A chain relies on properties that a model's class does not state and some models
 * **its logits on a static cache are its logits** (`static_problem`): the static runner
   (`hf_polybasic.static`) attends over a preallocated cache under a 4-D mask of its own; a model
   that builds its own mask or position bias from a 2-D one (BLOOM) or has windowed or recurrent
-  layers keeps the dynamic runner. Whether its forwards may be compiled now (`compile_problem`:
-  no forward hooks) is asked at every call.
+  layers keeps the dynamic runner. So does a model with dynamically quantized int8 layers: one
+  activation scale per forward lets the pad tokens of a padded width change its logits, which the
+  probe tells from a mask error by running the model again with its weights dequantized. Whether
+  its forwards may be compiled now (`compile_problem`: no forward hooks) is asked at every call.
 
 Each probe runs the package's own runner on a few deterministic token ids, against the same
 rows decoded alone (and a full forward), and is remembered per model object. What it cannot show
@@ -25,6 +27,7 @@ layers (`hf_polybasic.compat.windowed_layers`).
 
 from __future__ import annotations
 
+import copy
 import threading
 import weakref
 
@@ -49,6 +52,16 @@ TOLERANCE = {torch.float32: 1e-3, torch.float64: 1e-6}
 HALF_TOLERANCE = 0.02  # bfloat16, float16 and anything else
 NULL_SHARE = 0.25
 DYNAMIC_NULL_SHARE = 0.9
+
+# why a model keeps the dynamic runner when the static probe's logits differ (`static_problem`)
+STATIC_LOGITS_REASON = ("its logits on a static cache differ from a full forward's (it builds its own mask or position "
+                        "bias, or reads positions off the cache)")
+DYNAMIC_QUANTIZATION_REASON = (
+    "its dynamically quantized linear layers (torch.ao quantize_dynamic, e.g. quantized_copy(method='int8-dynamic')) "
+    "quantize a forward's activations with one scale over all of its tokens, so the pad tokens that the static runner "
+    "adds up to a bucket width would change its logits (its masks and positions are not at fault: with its weights "
+    "dequantized it decodes on a static cache exactly)"
+)
 
 _cache_problems: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _rows_problems: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -81,10 +94,17 @@ def _tolerance(model: torch.nn.Module) -> float:
     return max((TOLERANCE.get(dtype, HALF_TOLERANCE) for dtype in dtypes), default=HALF_TOLERANCE)
 
 
+def _dynamic_int8_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's dynamically quantized int8 linear layers (``torch.ao`` ``quantize_dynamic``, which
+    quantizes each forward's activations with one scale over the whole input)."""
+    kind = dynamic_int8_type()
+    return [module for module in model.modules()
+            if isinstance(module, kind) and module._packed_params.dtype == torch.qint8]
+
+
 def _null_share(model: torch.nn.Module) -> float:
     """`DYNAMIC_NULL_SHARE` for a model with dynamically quantized linear layers, else `NULL_SHARE`."""
-    dynamic = any(isinstance(module, dynamic_int8_type()) for module in model.modules())
-    return DYNAMIC_NULL_SHARE if dynamic else NULL_SHARE
+    return DYNAMIC_NULL_SHARE if _dynamic_int8_layers(model) else NULL_SHARE
 
 
 def _differs(value: torch.Tensor, reference: torch.Tensor, tolerance: float, null: torch.Tensor | None = None,
@@ -215,13 +235,18 @@ def static_problem(model: torch.nn.Module) -> str | None:
     recurrent or windowed layers, an attention implementation that takes no explicit mask, or a
     probe whose logits differ from full forwards: two rows of different lengths fed together, one
     rolled back and fed other tokens (a model that builds its own mask or position bias from a 2-D
-    attention mask, such as BLOOM's ALiBi, fails it)."""
+    attention mask, such as BLOOM's ALiBi, fails it).
+
+    A model with dynamically quantized int8 layers always fails the probe: each forward quantizes
+    its activations with one scale over all of its tokens, the static runner's pads (and a full
+    forward's other tokens) included. When the same model with those layers dequantized
+    (`_dequantized_twin`: nothing copied but the module tree) passes, that is the reason said
+    (`DYNAMIC_QUANTIZATION_REASON`); else the model's masks or positions are at fault too."""
     return _remembered(_static_problems, model, _check_static)
 
 
 def _check_static(model: torch.nn.Module) -> str | None:
     from .recurrent import recurrent_layers
-    from .static import StaticRunner, capacity_for
 
     if recurrent_layers(model) or compat.is_stateful(model):
         return "it has recurrent layers (their state is not a slot per token)"
@@ -232,6 +257,22 @@ def _check_static(model: torch.nn.Module) -> str | None:
     implementation = compat.attention_implementation(model)
     if implementation not in ("sdpa", "eager"):
         return f"its attention implementation {implementation!r} takes no explicit attention mask (sdpa and eager do)"
+    problem = _static_logits_problem(model)
+    if problem == STATIC_LOGITS_REASON and _dynamic_int8_layers(model):
+        try:
+            twin_problem = _static_logits_problem(_dequantized_twin(model))
+        except Exception:  # noqa: BLE001 - a twin that cannot be made leaves the reason unknown: the general one
+            twin_problem = problem
+        if twin_problem is None:
+            return DYNAMIC_QUANTIZATION_REASON
+    return problem
+
+
+def _static_logits_problem(model: torch.nn.Module) -> str | None:
+    """The static probe itself: rows of different lengths, a rollback, other tokens; every logit must
+    equal a full forward's."""
+    from .static import StaticRunner, capacity_for
+
     a, b = _probe_ids(model, 16, seed=2), _probe_ids(model, 8, seed=3)
     steps = [{0: (a[:2], 1), 1: (b[:2], 1)}, {0: (a[:12], 3), 1: (b[:3], 1)}, {0: (torch.cat([a[:6], b[:5]]), 3),
                                                                                1: (b[:8], 3)}]
@@ -244,10 +285,42 @@ def _check_static(model: torch.nn.Module) -> str | None:
                 logits = runner.logits_rows(step)
                 for row, (sequence, count) in step.items():
                     if _differs(logits[row], _full_logits(model, sequence, count), _tolerance(model)):
-                        return ("its logits on a static cache differ from a full forward's (it builds its own mask or "
-                                "position bias, or reads positions off the cache)")
+                        return STATIC_LOGITS_REASON
         finally:
             runner.close()
     except Exception as error:  # noqa: BLE001 - a model that cannot run on the static cache is answered the same way
         return f"a forward on a static cache fails ({type(error).__name__}: {error})"
     return None
+
+
+class _DequantizedLinear(torch.nn.Module):
+    """A dynamically quantized int8 linear layer computed in float32 with its weights dequantized at
+    every forward (one layer's float weight at a time): a token's output no longer depends on the
+    other tokens of the forward. The layer's hooks are kept (shared, as in `module_view`)."""
+
+    def __init__(self, layer: torch.nn.Module):
+        super().__init__()
+        self._layer = (layer,)  # not a submodule: the twin's module tree holds no quantized layer
+        for name, value in vars(layer).items():
+            if "hook" in name and isinstance(value, (dict, set)):
+                setattr(self, name, value)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        layer = self._layer[0]
+        return torch.nn.functional.linear(x, layer.weight().dequantize(), layer.bias())
+
+
+def _dequantized_twin(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` with its dynamically quantized int8 layers computed in float (`_DequantizedLinear`),
+    leaving ``model`` untouched: the twin's module tree is new, its tensors and quantized layers
+    are ``model``'s own (nothing is copied but the tree)."""
+    layers = _dynamic_int8_layers(model)
+    shared = {id(tensor): tensor for tensor in [*model.parameters(), *model.buffers()]}
+    shared.update({id(layer): layer for layer in layers})
+    twin = copy.deepcopy(model, memo=shared)
+    quantized = {id(layer) for layer in layers}
+    for parent in list(twin.modules()):
+        for name, child in list(parent.named_children()):
+            if id(child) in quantized:
+                setattr(parent, name, _DequantizedLinear(child))
+    return twin.eval()

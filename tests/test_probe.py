@@ -229,3 +229,80 @@ def test_a_dynamic_int8_drafter_with_a_massive_activation_passes_the_cache_probe
         assert probe._check_cache(model) is None  # the float model is consistent with itself
         monkeypatch.setattr(probe, "DYNAMIC_NULL_SHARE", probe.NULL_SHARE)  # the share that refused it
         assert "differ from a full forward's" in probe._check_cache(quantized)
+
+
+def _padded_logits(model, real: torch.LongTensor, pads: torch.LongTensor) -> torch.Tensor:
+    """The real tokens' logits from one forward over them and trailing ``pads`` (a causal mask: the
+    pads never reach the real tokens through attention), positioned as the static runner places them."""
+    ids = torch.cat([real, pads])[None]
+    positions = torch.cat([torch.arange(real.shape[0]), torch.full(pads.shape, real.shape[0] - 1)])[None]
+    return model(input_ids=ids, position_ids=positions, use_cache=False).logits[0, : real.shape[0]]
+
+
+def _without_own_mask(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` dropping a 4-D attention mask (the static runner's), so it builds its own causal mask
+    over the cache, as a model that builds its mask or position bias from a 2-D mask does."""
+
+    def drop(module, args, kwargs):
+        if kwargs.get("attention_mask") is not None and kwargs["attention_mask"].dim() == 4:
+            kwargs["attention_mask"] = None
+        return args, kwargs
+
+    model.register_forward_pre_hook(drop, with_kwargs=True)
+    return model
+
+
+def test_a_dynamic_int8_model_keeps_the_dynamic_runner_for_its_activation_scale_not_its_masks():
+    """torch.ao's quantize_dynamic quantizes each forward's activations with one scale over all of
+    its tokens: the static runner's pads change the real tokens' logits (2% of the largest here,
+    where the probe allows 0.1%), which the probe must not blame on masks. With its weights
+    dequantized the same model passes, so the warning names the quantization."""
+    target = make_chain("llama", 1, seed=5)[0]
+    quantized = quantized_copy(target, "int8-dynamic")
+    real, pads = probe._probe_ids(target, 5, seed=2), torch.full((3,), 57)
+    with torch.no_grad():
+        for model, changed in ((target, False), (quantized, True)):
+            alone = model(input_ids=real[None], use_cache=False).logits[0]
+            off = float((_padded_logits(model, real, pads) - alone).abs().max()) / float(alone.abs().max())
+            assert (off > probe.TOLERANCE[torch.float32]) is changed, off
+    assert probe.static_problem(target) is None
+    layers = probe._dynamic_int8_layers(quantized)
+    problem = probe.static_problem(quantized)
+    assert problem == probe.DYNAMIC_QUANTIZATION_REASON and "mask or position bias" not in problem
+    assert layers and probe._dynamic_int8_layers(quantized) == layers  # the twin left the model as it was
+    twin = probe._dequantized_twin(quantized)
+    assert not probe._dynamic_int8_layers(twin)
+    assert {p.data_ptr() for p in twin.parameters()} <= {p.data_ptr() for p in quantized.parameters()}
+    seen = []
+    handle = layers[0].register_forward_pre_hook(lambda module, args: seen.append(args[0].shape))
+    with torch.no_grad():
+        twin(input_ids=real[None])  # a hook on a quantized layer runs in the twin as well
+    handle.remove()
+    assert seen
+
+    from hf_polybasic import chain
+
+    chain._warned_runners.discard((probe.model_label(quantized), problem))
+    ids = prompt(6, seed=3)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = target.generate(ids, custom_generate=hp.generate, assistant_models=[quantized], do_sample=False,
+                              max_new_tokens=8, cache_implementation="static")
+    said = [str(w.message) for w in caught if "on a dynamic cache" in str(w.message)]
+    assert len(said) == 1 and said[0].startswith("hf_polybasic runs assistant_models[0] (M2 LlamaForCausalLM) on a "
+                                                 "dynamic cache: its dynamically quantized linear layers")
+    assert torch.equal(out, target.generate(ids, do_sample=False, max_new_tokens=8))  # exact either way
+
+
+def test_a_model_that_builds_its_own_mask_keeps_the_mask_reason_quantized_or_not():
+    model = _without_own_mask(make_chain("llama", 1, seed=5)[0])
+    assert probe.static_problem(model) == probe.STATIC_LOGITS_REASON
+    quantized = _without_own_mask(quantized_copy(make_chain("llama", 1, seed=5)[0], "int8-dynamic"))
+    assert probe.static_problem(quantized) == probe.STATIC_LOGITS_REASON  # its dequantized twin fails too
+
+
+def test_the_errors_page_quotes_the_static_runner_reasons():
+    from pathlib import Path
+
+    page = (Path(__file__).resolve().parent.parent / "docs" / "reference" / "errors.md").read_text()
+    assert probe.STATIC_LOGITS_REASON in page and probe.DYNAMIC_QUANTIZATION_REASON in page
