@@ -6,7 +6,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test test-quant4 test-matrix test-torch-floor test-torch-newest quant4 mutation docs serve-docs clean
+.PHONY: demo test test-quant4 test-matrix test-torch-floor test-torch-newest quant4 mutation gpu-check docs serve-docs clean
 # the install stamps are files; a test-transformers-<release> run is not
 .PRECIOUS: .matrix/transformers-%/.installed
 
@@ -131,6 +131,13 @@ test-torch-newest: $(TORCH_NEWEST_DIR)/.installed
 mutation: $(VENV)/.installed
 	$(BIN)/python -c "import mutmut" 2>/dev/null || $(BIN)/pip install --quiet -e ".[mutation]"
 	$(BIN)/python tools/mutation.py run --max-children 2
+
+# The prepared GPU check (issue 35; tools/gpu_check.py): the CUDA tests, then on the Llama-3.2-1B shape
+# the default chain against plain static generate (first and second call's graphs, host waits per
+# round, tok/s, identical outputs), within 8 minutes on one GPU. On a machine without the venv (the
+# device machine of a session): PYTHONPATH=. python tools/gpu_check.py --output "$$OUT"
+gpu-check: $(VENV)/.installed
+	$(BIN)/python tools/gpu_check.py
 
 docs: $(VENV)/.installed
 	$(BIN)/mkdocs build --strict

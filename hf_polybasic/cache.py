@@ -18,6 +18,7 @@ import torch
 
 from . import compat, recurrent
 from .attention import attention_for
+from .transfer import upload
 from .timing import DEFAULT_CLOCK, Clock, ForwardTimer, cuda_devices
 
 
@@ -239,7 +240,7 @@ class CachedModel:
         width = max(int(tokens.shape[0]) for tokens in fed.values())
         batch, slots = self._valid.shape
         # token ids stay where they are (no read back to the host); positions and the mask are host
-        # bookkeeping, sent in one copy each
+        # bookkeeping, sent in one copy each that the host does not wait for
         inputs = torch.zeros(batch, width, dtype=torch.long, device=self.device)
         positions = torch.zeros(batch, width, dtype=torch.long)
         new_valid = torch.zeros(batch, width, dtype=torch.bool)
@@ -251,9 +252,9 @@ class CachedModel:
             positions[index, width - count :] = torch.arange(self.lengths[row], self.lengths[row] + count)
             new_valid[index, width - count :] = True
             self._slots[row].extend(range(slots + width - count, slots + width))
-        self._valid = torch.cat([self._valid, new_valid.to(self.device)], dim=1)
+        self._valid = torch.cat([self._valid, upload(new_valid, self.device)], dim=1)
         outputs = self.model(
-            input_ids=inputs, position_ids=positions.to(self.device),
+            input_ids=inputs, position_ids=upload(positions, self.device),
             attention_mask=self._valid.long(), use_cache=True, **{compat.cache_argument(self.model): self.cache}, **kwargs,
         )
         logits = {
@@ -339,8 +340,9 @@ class CachedModel:
         live = [row for row in range(self.rows) if self._batch_index[row] is not None and row not in gone]
         keep = [self._batch_index[row] for row in live]
         if live:
-            compat.select_batch_rows(self.cache, torch.tensor(keep, device=self.device))
-            self._valid = self._valid[torch.tensor(keep, device=self.device)]
+            keep = upload(torch.tensor(keep), self.device)
+            compat.select_batch_rows(self.cache, keep)
+            self._valid = self._valid[keep]
         for row in gone:
             self._batch_index[row] = None
             self._slots[row] = []
@@ -375,8 +377,8 @@ class CachedModel:
                 index[batch, longest - count :] = torch.tensor(self._slots[row])
                 valid[batch, longest - count :] = True
             self._slots[row] = list(range(longest - count, longest))
-        compat.gather_slots(self.cache, index.to(self.device))
-        self._valid = valid.to(self.device)
+        compat.gather_slots(self.cache, upload(index, self.device))
+        self._valid = upload(valid, self.device)
         self.compactions += 1
 
     def commit(self) -> None:

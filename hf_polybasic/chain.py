@@ -70,8 +70,9 @@ class Verifier:
     verifier's probability of every token it emits (an intermediate level whose schedule stops
     blocks by confidence sets it).
 
-    A round reads back from the device once for all its rows (every row's number of accepted drafts
-    and next token), twice with ``confidences``: never per token or per row.
+    A round reads back from the device once for all its rows (every row's number of accepted drafts,
+    next token and, with ``confidences``, the probabilities): never per token or per row, and it
+    uploads nothing (the next token stays on the device).
     """
 
     def __init__(
@@ -102,17 +103,18 @@ class Verifier:
                 for row, (sequence, _) in requests.items()
             }
             try:
-                decisions = torch.stack([self._decide(proposals[row], scores[row]) for row in requests]).tolist()
+                decided = {row: self._decide(proposals[row], scores[row]) for row in requests}  # [2] each
             except RuntimeError as error:  # vocab_head: a restricted level may be left nothing to sample from
                 if self.samples and not all(bool(torch.isfinite(s).any(-1).all()) for s in scores.values()):
                     raise ValueError(NOTHING_TO_SAMPLE.format(level=self.runner.role)) from error
                 raise
+            values = self._read(proposals, decided, scores)  # the round's one read, every row at once
             rounds, kept = {}, {}
-            for (row, (sequence, _)), (accepted, next_token) in zip(requests.items(), decisions):
-                rounds[row] = self._round(proposals[row], accepted, next_token, scores[row], logits[row])
+            for row in requests:
+                accepted, next_token, confidences = values[row]
+                rounds[row] = self._round(proposals[row], accepted, next_token, decided[row][1:], scores[row],
+                                          logits[row], confidences)
                 kept[row] = accepted
-            if self.confidences:
-                self._read_confidences(rounds)
             self.runner.rollback_rows({row: requests[row][0].shape[0] + count for row, count in kept.items()})
         # each row's share of the forward the rows shared, split evenly as `BatchShare` prices it (the
         # whole forward's seconds would make every row's overhead look like the other rows' work)
@@ -126,22 +128,42 @@ class Verifier:
             return speculative_decision(proposal.tokens, proposal.probs, scores.softmax(-1))
         return greedy_decision(proposal.tokens, scores)
 
-    def _round(self, proposal: Proposal, accepted: int, next_token: int, scores, logits) -> Round:
-        self.stats.record_verification(len(proposal), accepted)
-        tokens = torch.cat([proposal.tokens[:accepted], proposal.tokens.new_tensor([next_token])])
-        ids = (proposal.tokens[:accepted].tolist() if proposal.ids is None else proposal.ids[:accepted]) + [next_token]
-        return Round(tokens=tokens, scores=scores[: accepted + 1], logits=logits[: accepted + 1], ids=ids)
+    def _read(self, proposals: dict[int, Proposal], decided: dict[int, torch.Tensor],
+              scores: dict[int, torch.Tensor]) -> dict[int, tuple[int, int, list[float] | None]]:
+        """Every row's (accepted, next token, confidences) in one read from the device. With
+        ``confidences``, the verifier's processed probability of each token the row emits (its first
+        ``accepted`` drafts, then its own token), computed for all k + 1 positions before the read."""
+        packed = []
+        for row, decision in decided.items():
+            packed.append(decision.to(torch.float64))
+            if self.confidences:
+                drafts = proposals[row].tokens.to(decision.device)  # [k]
+                positions = torch.arange(drafts.shape[0] + 1, device=decision.device)
+                emitted = torch.where(positions < decision[0], torch.cat([drafts, decision[1:]]), decision[1])  # [k + 1]
+                probs = scores[row].softmax(-1).gather(1, emitted.to(scores[row].device).unsqueeze(1)).squeeze(1)
+                packed.append(probs.to(device=decision.device, dtype=torch.float64))
+        values = torch.cat(packed).tolist()
+        read, start = {}, 0
+        for row in decided:
+            accepted, next_token = int(values[start]), int(values[start + 1])
+            start += 2
+            confidences = None
+            if self.confidences:
+                width = len(proposals[row]) + 1
+                confidences = values[start : start + accepted + 1]
+                start += width
+            read[row] = (accepted, next_token, confidences)
+        return read
 
-    @staticmethod
-    def _read_confidences(rounds: dict[int, Round]) -> None:
-        """Each round's processed probability of each of its tokens, read back for all rows at once."""
-        picked = [r.scores.softmax(-1).gather(1, r.tokens.to(r.scores.device).unsqueeze(1)).squeeze(1)
-                  for r in rounds.values()]
-        values = torch.cat(picked).tolist()
-        start = 0
-        for round_ in rounds.values():
-            round_.confidences = values[start : start + len(round_.ids)]
-            start += len(round_.ids)
+    def _round(self, proposal: Proposal, accepted: int, next_token: int, next_on_device: torch.Tensor, scores,
+               logits, confidences: list[float] | None) -> Round:
+        """The row's round: its tokens on the device (the verifier's own token taken from the decision
+        ``[1]``, not uploaded again) and as host ints."""
+        self.stats.record_verification(len(proposal), accepted)
+        tokens = torch.cat([proposal.tokens[:accepted], next_on_device.to(proposal.tokens.device)])
+        ids = (proposal.tokens[:accepted].tolist() if proposal.ids is None else proposal.ids[:accepted]) + [next_token]
+        return Round(tokens=tokens, scores=scores[: accepted + 1], logits=logits[: accepted + 1], ids=ids,
+                     confidences=confidences)
 
     def rollback_to(self, lengths: dict[int, int]) -> None:
         """Forget everything about each row's tokens past its length, here and in every level below."""
@@ -453,7 +475,7 @@ def build_chain(
     if config.schedule == "cost_aware" and costs is not None:
         for index, runner in enumerate(runners):
             curve = None if runner is None else costs.curve_for(models[index], clock, measure=config.measure_costs,
-                                                                  runner=runner_kind(runner))
+                                                                  runner=runner_kind(runner), capacity=capacity)
             if curve is not None:  # None: not stored and not to be measured; the schedule goes by the call's timings
                 estimates[index] = runner.cost_observer = CostEstimate(curve)
     shared = [None if estimate is None else BatchShare(estimate, runner) for estimate, runner in zip(estimates, runners)]

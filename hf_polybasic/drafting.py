@@ -17,8 +17,22 @@ from .protocol import Block, Proposal, Runner
 from .schedule import Schedule
 from .stats import LevelStats
 from .timing import DEFAULT_CLOCK, Clock, timed
+from .transfer import reads_wait
 
 PROBABILITY_SUM_TOLERANCE = 1e-3
+# Where reads wait for the device, a schedule that stops by confidence drafts this many tokens in
+# its first round before its one read, then `next_width`: as many as it last kept, doubled when it
+# kept them all (up to its length), halved at most per round.
+FIRST_WIDTH = 4
+
+
+def next_width(width: int, cut: int | None) -> int:
+    """How far to draft next round after drafting ``width`` tokens and cutting after ``cut`` of them
+    (None: the schedule kept all ``width``): twice as far when nothing was cut, else the power of two
+    above the cut, never below half of ``width``."""
+    if cut is None:
+        return 2 * width
+    return max(1 << cut.bit_length(), width // 2, 1)
 
 
 @dataclass
@@ -68,8 +82,11 @@ class ScheduledRows:
 
 class ModelDrafter(ScheduledRows):
     """Drafts up to K tokens with a model, sampling from (or taking the argmax of) its processed
-    distribution; each row's schedule sets its K and may stop its draft early, token by token.
-    Rows still drafting share one forward per step.
+    distribution; each row's schedule sets its K and may stop its draft early, by its confidence in
+    each token. Rows still drafting share one forward per step. On the CPU the drafts are read back
+    after every step and stop there; where a read waits for the device (a GPU) they are read once per
+    proposal, and a block cut by confidence is cut after that read (the tokens past the cut cost a
+    drafter step each, not a wait for the device's whole queue).
 
     ``samples=False`` drafts by argmax even when the target samples (below a level that verifies
     greedily); the proposal is then a point mass. ``rules`` and ``schedules`` are per row.
@@ -88,18 +105,23 @@ class ModelDrafter(ScheduledRows):
         self.runner, self.rules, self.stats, self.schedules = runner, rules, stats, schedules
         self.samples = samples
         self.clock = clock
+        self._widths: dict[int, int] = {}  # per row, how far to draft before the one read (`next_width`)
 
     def propose(self, requests: dict[int, tuple[torch.LongTensor, int]]) -> dict[int, Proposal]:
-        blocks, drafting = {}, []
+        blocks, drafting, widths = {}, [], {}
+        by_confidence = [row for row in requests if self.schedules[row].stops_per_token]
+        # where a schedule stops by confidence: on the CPU, read every step and stop there; where a
+        # read waits for the device (`reads_wait`), draft a width and cut the block after one read
+        stepwise = bool(by_confidence) and not reads_wait(self.runner.device)
         for row, (sequence, budget) in requests.items():
             blocks[row] = Block(self.rules[row].eos_token_ids, min(self.schedules[row].length(), budget), sequence.device)
             self._starts[row] = sequence.shape[0]
+            widths[row] = blocks[row].budget
+            if row in by_confidence and not stepwise:
+                widths[row] = min(widths[row], self._widths.get(row, FIRST_WIDTH))
             if not blocks[row].closed:
                 drafting.append(row)
-        # tokens drawn and not read back yet: read after every step only where a schedule stops by
-        # confidence, else once when every row has drafted its length (EOS cuts the block then)
         drawn: dict[int, list[Draw]] = {row: [] for row in drafting}
-        stepwise = any(self.schedules[row].stops_per_token for row in drafting)
         catch_up = 0.0  # seconds spent feeding tokens decided while this level sat out or was rolled back
         with self.stats.timed(self.clock) as span:
             while drafting:
@@ -111,13 +133,13 @@ class ModelDrafter(ScheduledRows):
                 if behind > 1:
                     catch_up += forward.seconds * (behind - 1) / behind
                 for row in drafting:
-                    drawn[row].append(self._draw(row, grown[row], logits[row], stepwise))
+                    drawn[row].append(self._draw(row, grown[row], logits[row], row in by_confidence))
                 if stepwise:
                     drafting = self._keep_step(blocks, drawn, drafting)
                 else:
-                    drafting = [row for row in drafting if blocks[row].size + len(drawn[row]) < blocks[row].budget]
+                    drafting = [row for row in drafting if blocks[row].size + len(drawn[row]) < widths[row]]
             if not stepwise:
-                self._keep_all(blocks, drawn)
+                self._keep_all(blocks, drawn, widths)
         self._observe(blocks, span.seconds - catch_up)
         return {row: block.proposal() for row, block in blocks.items()}
 
@@ -153,25 +175,52 @@ class ModelDrafter(ScheduledRows):
                 going.append(row)
         return going
 
-    def _keep_all(self, blocks: dict[int, Block], drawn: dict[int, list[Draw]]) -> None:
-        """Read every row's draws back at once and add them to the blocks, each up to its first
-        invalid draw (`Block.extend` cuts after an EOS)."""
+    def _keep_all(self, blocks: dict[int, Block], drawn: dict[int, list[Draw]], widths: dict[int, int]) -> None:
+        """Read every row's draws back at once (token, validity and, where its schedule stops by
+        confidence, the token's probability) and add them to the blocks, each up to its first invalid
+        draw (`Block.extend` cuts after an EOS); a schedule that stops by confidence then cuts the block
+        after the first token it would not have drafted past, as if it had been asked token by token,
+        and the row's next width follows where it cut (`next_width`)."""
         rows = [row for row in drawn if drawn[row]]
         if not rows:
             return
-        values = torch.cat([torch.stack([torch.cat([d.token for d in drawn[row]]),
-                                         torch.stack([d.valid for d in drawn[row]]).long()])
-                            for row in rows], dim=1).tolist()
+        packed = []
+        for row in rows:
+            packed += [torch.cat([d.token for d in drawn[row]]).double(), torch.stack([d.valid for d in drawn[row]]).double()]
+            if drawn[row][0].confidence is not None:
+                packed.append(torch.stack([d.confidence.reshape(()) for d in drawn[row]]).double())
+        values = torch.cat(packed).tolist()
         start = 0
         for row in rows:
             count = len(drawn[row])
-            tokens, valid = values[0][start : start + count], values[1][start : start + count]
-            start += count
+            tokens = [int(token) for token in values[start : start + count]]
+            valid = values[start + count : start + 2 * count]
+            start += 2 * count
+            confidences = None
+            if drawn[row][0].confidence is not None:
+                confidences = values[start : start + count]
+                start += count
             usable = valid.index(0) if 0 in valid else count
-            if usable:
-                probs = [d.probs for d in drawn[row][:usable]]
-                blocks[row].extend(torch.cat([d.token for d in drawn[row][:usable]]),
-                                   torch.cat(probs) if self.samples else None, ids=tokens[:usable])
+            if not usable:
+                continue
+            block = blocks[row]
+            block.extend(torch.cat([d.token for d in drawn[row][:usable]]),
+                         torch.cat([d.probs for d in drawn[row][:usable]]) if self.samples else None, ids=tokens[:usable])
+            if confidences is not None:
+                self._cut_by_confidence(row, block, confidences, widths[row])
+
+    def _cut_by_confidence(self, row: int, block: Block, confidences: list[float], width: int) -> None:
+        """Ask the row's schedule about each kept token in turn, as `_keep_step` would have after
+        drafting it; end the block after the first it would not have drafted past."""
+        schedule = self.schedules[row]
+        for index in range(block.size):
+            if block.closed and index == block.size - 1:
+                break  # drafting would have ended here anyway: the schedule is not asked
+            if not schedule.keep_drafting(confidences[index]):
+                block.truncate(index + 1)
+                self._widths[row] = next_width(width, index + 1)
+                return
+        self._widths[row] = next_width(width, None)
 
     def proposal_probs(self, probs: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         """What is reported upward for a sampled token: the processed distribution it was drawn from."""

@@ -19,11 +19,13 @@ with the reason said (`row_by_row_reason`).
 
 from __future__ import annotations
 
+import time
 import warnings
 from dataclasses import dataclass, field
 
 import torch
-from transformers.generation import LogitsProcessorList, StoppingCriteriaList
+from transformers.generation import (EosTokenCriteria, LogitsProcessorList, MaxLengthCriteria, MaxTimeCriteria,
+                                     StoppingCriteriaList)
 
 from .recurrent import batch_refusal_reason, settle
 from .chain import ChainParts, Verifier, build_chain, level_names
@@ -63,10 +65,11 @@ def decode(
     sequences = dict(prompts)
     results = {row: RowResult(tokens=prompt.new_empty(0)) for row, prompt in prompts.items()}
     finished: set[int] = set()
+    host_stops = HostStops.of(stopping_criteria)
     while live := [row for row in prompts if row not in finished and sequences[row].shape[0] < max_lengths[row]]:
         started = clock()
         rounds = top.verify({row: (sequences[row], max_lengths[row] - sequences[row].shape[0]) for row in live})
-        kept = first_stops(rounds, sequences, stopping_criteria)
+        kept = first_stops(rounds, sequences, stopping_criteria, host_stops)
         for row, round_ in rounds.items():
             if kept[row] is None:
                 kept[row] = len(round_.ids)
@@ -82,7 +85,7 @@ def decode(
             top.release_rows(done)
         for row, round_ in rounds.items():
             if request.streamer is not None:
-                request.streamer.put(round_.tokens[: kept[row]].cpu())
+                request.streamer.put(torch.tensor(round_.ids[: kept[row]]))  # ids the host has: no read
             if request.keep_scores:
                 results[row].scores.extend(round_.scores[: kept[row]].unbind(0))
             if request.keep_logits:
@@ -94,10 +97,15 @@ def decode(
     return results
 
 
-def first_stops(rounds: dict, sequences: dict[int, torch.LongTensor], stopping_criteria: StoppingCriteriaList) -> dict:
+def first_stops(rounds: dict, sequences: dict[int, torch.LongTensor], stopping_criteria: StoppingCriteriaList,
+                host: HostStops | None = None) -> dict:
     """Per row, how many of its round's tokens to keep when a stopping criterion fires at one of
     them (the first that fires, counted from 1), else None. Every criterion sees each token's prefix
-    and scores, as in plain `generate`; the verdicts of all rows and tokens are read back at once."""
+    and scores, as in plain `generate`; the verdicts of all rows and tokens are read back at once,
+    or, where every criterion is one the host can decide from the round's ids (``host``, made once
+    per call by `HostStops.of`), not read at all."""
+    if host is not None:
+        return {row: host.first_stop(int(sequences[row].shape[0]), round_.ids) for row, round_ in rounds.items()}
     flags, owners = [], []
     for row, round_ in rounds.items():
         for j in range(len(round_.ids)):
@@ -109,6 +117,45 @@ def first_stops(rounds: dict, sequences: dict[int, torch.LongTensor], stopping_c
         if stop and stops[row] is None:
             stops[row] = count
     return stops
+
+
+class HostStops:
+    """Transformers' own stopping criteria that the host decides from what it knows, without reading
+    the device: a length (`MaxLengthCriteria`: the prefix is at least ``max_length`` long), an end
+    token (`EosTokenCriteria`: the token is one of its ids, read once per call) and a deadline
+    (`MaxTimeCriteria`). Each verdict is the criterion's own on the same prefix."""
+
+    def __init__(self, max_lengths: list[int], eos: frozenset[int], deadlines: list[tuple[float, float]]):
+        self.max_lengths, self.eos, self.deadlines = max_lengths, eos, deadlines
+
+    @classmethod
+    def of(cls, criteria: StoppingCriteriaList) -> HostStops | None:
+        """The host's version of ``criteria``, or None when one of them must see the device's tensors."""
+        max_lengths, eos, deadlines = [], set(), []
+        host = cls(max_lengths, frozenset(), deadlines)
+        for criterion in criteria:
+            kind = type(criterion)
+            if kind is MaxLengthCriteria:
+                max_lengths.append(criterion.max_length)
+            elif kind is EosTokenCriteria:
+                eos.update(torch.as_tensor(criterion.eos_token_id).reshape(-1).tolist())  # once per call
+            elif kind is MaxTimeCriteria:
+                deadlines.append((criterion.initial_timestamp, criterion.max_time))
+            else:
+                host = None
+                break
+        if host is not None:
+            host.eos = frozenset(eos)
+        return host
+
+    def first_stop(self, length: int, ids: list[int]) -> int | None:
+        """How many of ``ids`` (a round's tokens after a prefix of ``length``) to keep: up to the first
+        at which a criterion fires, else None."""
+        late = any(time.time() - start > limit for start, limit in self.deadlines)
+        for count, token in enumerate(ids, 1):
+            if late or token in self.eos or any(length + count >= limit for limit in self.max_lengths):
+                return count
+        return None
 
 
 def row_by_row_reason(target: torch.nn.Module, assistants: list, use_cache: bool = True) -> str | None:

@@ -15,9 +15,15 @@ from the write positions. Hence:
   row's tokens from its length on, before its queries attend), as in gpt-fast;
 * **widths are bucketed**: a forward of k tokens per row is padded to the next of `WIDTHS`
   with trailing pad tokens (their logits dropped, their keys written past the row's length, so
-  never seen). Together with the fixed capacity, a compiled forward meets a handful of shapes:
-  one graph per bucket that decoding uses, made the first time it comes up (a prompt's prefill,
-  once per call and of any width, runs uncompiled).
+  never seen); a wider one (a catch-up after a level sat out) runs as several of the widest.
+  Together with the fixed capacity, a compiled forward meets a handful of shapes: one graph per
+  (width, rows) that decoding uses, made the first time it comes up; only a prompt's prefill, once
+  per call and of any width, runs uncompiled;
+* **one cache per model and batch size**, kept between calls (`take_cache`): a compiled graph is
+  tied to its cache's tensors, so a later call, whatever its prompt and budget, replays the same
+  graphs as long as it fits; a call that does not fit gets a cache of the next capacity tier
+  (`capacity_for`: powers of two), which then replaces the smaller one. Compiling a graph is never
+  timed into the cost curves.
 
 Which models it takes is checked, not assumed (`hf_polybasic.probe.static_problem`): attention over
 one cache layer kind without windows, no recurrent state, an attention implementation that takes an
@@ -28,20 +34,23 @@ whose logits must equal full forwards'. Anything else keeps the dynamic runner, 
 from __future__ import annotations
 
 import threading
+import warnings
 import weakref
 from collections.abc import Callable
 
 import torch
 
 from . import compat
+from .attention import attention_for
 from .cache import check_ids, input_vocabulary_size, to_target_vocabulary
 from .timing import DEFAULT_CLOCK, Clock, ForwardTimer, cuda_devices
+from .transfer import upload
 
-# Widths a forward is padded to (tokens per row); a wider forward (a prompt's prefill) runs
-# uncompiled at its own width.
-WIDTHS = (1, 2, 4, 8, 16, 32)
-# The capacity of a cache is rounded up to a multiple of this, so calls with similar budgets reuse
-# one cache and one set of compiled graphs.
+# Widths a forward is padded to (tokens per row); a wider one runs as several forwards of the
+# widest, except a prompt's prefill, which runs uncompiled at its own width.
+WIDTHS = (1, 2, 4, 8, 16, 32, 64)
+# The smallest capacity of a cache; larger ones are the powers of two above it (a handful of tiers,
+# so a process meets few caches, each with its own graphs).
 CAPACITY_STEP = 256
 
 
@@ -56,9 +65,12 @@ def bucket(width: int, widths: tuple[int, ...] = WIDTHS) -> int:
 def capacity_for(max_length: int, widths: tuple[int, ...] = WIDTHS) -> int:
     """Slots a row needs to decode up to ``max_length`` tokens (the last forward's padding included,
     and the one token past the budget an intermediate level's verification may score), rounded up
-    to `CAPACITY_STEP`."""
+    to a tier: `CAPACITY_STEP` or a power of two above it."""
     needed = max_length + 1 + max(widths)
-    return -(-needed // CAPACITY_STEP) * CAPACITY_STEP
+    capacity = CAPACITY_STEP
+    while capacity < needed:
+        capacity *= 2
+    return capacity
 
 
 class SlotCache(compat.CacheBase):
@@ -69,6 +81,7 @@ class SlotCache(compat.CacheBase):
     def __init__(self, num_layers: int, capacity: int, rows: int):
         self.capacity, self.rows = capacity, rows
         self.write_slots: torch.Tensor | None = None  # [rows, width] for the next forward
+        self.compiled_widths: set[int] = set()  # widths a compiled forward has made a graph for, on this cache
         super().__init__(layers=[SlotLayer(self, capacity) for _ in range(num_layers)])
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -192,6 +205,31 @@ def forward_for(model, compiled: bool, float_mask: bool) -> Callable:
         return kinds[float_mask]
 
 
+_graphs_made: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> graphs its forwards made
+_warned_graph_limit: set[str] = set()
+
+
+def _may_make_graph(model, role: str) -> bool:
+    """Whether ``model``'s compiled forward may make one more graph (`GRAPHS_PER_MODEL`); when it may
+    not, the forward runs uncompiled, said in a warning once per model kind, never silently."""
+    with _compiled_lock:
+        made = _graphs_made.get(model, 0)
+        if made < GRAPHS_PER_MODEL:
+            _graphs_made[model] = made + 1
+            return True
+    kind = type(model).__name__
+    if kind not in _warned_graph_limit:
+        _warned_graph_limit.add(kind)
+        warnings.warn(
+            f"hf_polybasic: {role} has made {GRAPHS_PER_MODEL} compiled graphs (GRAPHS_PER_MODEL: one per width, "
+            "batch size and cache tier); forwards of new shapes now run uncompiled. Calls of fewer distinct batch "
+            "sizes and budgets keep every forward compiled",
+            UserWarning,
+            stacklevel=6,
+        )
+    return False
+
+
 def _with_graph_limit(compiled: Callable) -> Callable:
     """``compiled`` allowed `GRAPHS_PER_MODEL` graphs (dynamo's limit, set around our calls only)."""
 
@@ -208,21 +246,22 @@ _pool_lock = threading.Lock()
 
 
 def take_cache(model, rows: int, capacity: int) -> SlotCache:
-    """A `SlotCache` for ``rows`` rows of ``model`` with ``capacity`` slots each: one a finished call
-    gave back, else a new one. While a call holds it no other call can take it."""
+    """A `SlotCache` for ``rows`` rows of ``model`` with at least ``capacity`` slots each: the one a
+    finished call gave back if it is large enough (its graphs come with it), else a new one. While
+    a call holds it no other call can take it."""
     with _pool_lock:
-        free = _pool.get(model, {}).get((rows, capacity))
-        if free:
-            return free.pop()
+        free = _pool.get(model, {}).get(rows)
+        if free is not None and free.capacity >= capacity:
+            return _pool[model].pop(rows)
     return SlotCache(compat.decoder_layer_count(model), capacity, rows)
 
 
 def return_cache(model, cache: SlotCache) -> None:
-    """Give a cache back for later calls of the same shape (one kept per shape)."""
+    """Give a cache back for later calls: one kept per model and batch size, the largest."""
     with _pool_lock:
-        kept = _pool.setdefault(model, {}).setdefault((cache.rows, cache.capacity), [])
-        if not kept:
-            kept.append(cache)
+        kept = _pool.setdefault(model, {})
+        if cache.rows not in kept or kept[cache.rows].capacity < cache.capacity:
+            kept[cache.rows] = cache
 
 
 class StaticRunner:
@@ -260,7 +299,7 @@ class StaticRunner:
         self.device = model.device
         self.capacity = capacity
         self.widths = widths
-        self.cache = take_cache(model, rows, capacity)
+        self.cache: SlotCache | None = None  # taken at the first forward (`take_cache`), given back by `close`
         self.lengths = [0] * rows
         self._live = [True] * rows
         self.forward_passes = 0
@@ -273,6 +312,8 @@ class StaticRunner:
         self.compiled = compiled
         self._compiled = forward_for(model, True, float_mask) if compiled else None
         self._timer = ForwardTimer(self.device, clock, cuda_devices(model))
+        # uncompiled forwards (prefills) meet new shapes: kept away from kernels that re-plan per shape
+        self._attention = attention_for(self.device, fixed_shapes=False)
 
     def close(self) -> None:
         """Give the cache back for later calls (the runner is not used afterwards)."""
@@ -298,7 +339,10 @@ class StaticRunner:
 
     def logits_rows(self, requests: dict[int, tuple[torch.LongTensor, int]]) -> dict[int, torch.Tensor]:
         """``{row: (sequence [L], num_positions)}`` -> ``{row: [num_positions, V]}``, one forward for
-        every row of the batch (rows not asked feed only pads)."""
+        every row of the batch (rows not asked feed only pads), or several of the widest width when
+        a row has more new tokens than that (a catch-up: each forward's graph is one decoding uses)."""
+        if self.cache is None:
+            self.cache = take_cache(self.model, self.rows, self.capacity)
         fed = {}
         for row, (sequence, num_positions) in requests.items():
             self.lengths[row] = min(self.lengths[row], sequence.shape[0] - num_positions)
@@ -306,35 +350,54 @@ class StaticRunner:
         prefill = any(self.lengths[row] == 0 for row in requests)
         if self._ids_need_check:
             check_ids(torch.cat(list(fed.values())), self.input_vocabulary, self.role)
+        needed, widest = max(int(tokens.shape[0]) for tokens in fed.values()), max(self.widths)
+        parts = {row: [] for row in requests}  # each row's wanted logits, forward by forward
+        for start in [0] if prefill else range(0, needed, widest):
+            chunk = {row: tokens[start : None if prefill else start + widest] for row, tokens in fed.items()
+                     if tokens.shape[0] > start}
+            logits = self._forward(chunk, prefill)  # [rows, width, V]
+            for row, tokens in chunk.items():
+                count = int(tokens.shape[0])
+                first = max(int(fed[row].shape[0]) - requests[row][1] - start, 0)  # first wanted position here
+                if first < count:
+                    # a copy, always: a CUDA graph's output is overwritten by its next replay
+                    parts[row].append(logits[row, first:count, : self.vocab_limit].to(torch.float32, copy=True))
+                self.lengths[row] += count
+        return {row: to_target_vocabulary(torch.cat(parts[row]), self.vocab_limit) for row in requests}
+
+    def _forward(self, fed: dict[int, torch.LongTensor], prefill: bool) -> torch.Tensor:
+        """Logits ``[rows, width, V]`` of one forward of each row's ``fed`` tokens from its length on,
+        padded to a width of `WIDTHS` (a prefill: to its own). Compiled where the runner is, once the
+        cache is allocated (a graph then only writes it), but for a prefill; a forward that makes a
+        graph is not timed into the cost curves (it holds the compilation)."""
         needed = max(int(tokens.shape[0]) for tokens in fed.values())
         width = bucket(needed, self.widths)
         input_ids, position_ids, slots = self._inputs(fed, width)
         self.cache.write_slots = slots
-        # compiled: decoding's bucketed widths, once the cache is allocated (a graph then only writes it);
-        # a prompt's prefill, once per call and of any width, runs uncompiled
         compiled = self._compiled is not None and width <= max(self.widths) and self.cache.allocated and not prefill
-        forward = self._compiled if compiled else self._plain
+        making_graph = compiled and width not in self.cache.compiled_widths
+        if making_graph and not _may_make_graph(self.model, self.role):
+            compiled = making_graph = False
+        if making_graph:
+            self.cache.compiled_widths.add(width)
         self._timer.start()
-        logits = forward(self.model, input_ids, position_ids, slots, self.cache)
-        computed = self.rows * width
-        self._timer.stop(computed, self.rows, self.cost_observer)
+        if compiled:
+            logits = self._compiled(self.model, input_ids, position_ids, slots, self.cache)
+        else:
+            with self._attention():
+                logits = self._plain(self.model, input_ids, position_ids, slots, self.cache)
+        self._timer.stop(self.rows * width, self.rows, None if making_graph else self.cost_observer)
         self.forward_passes += 1
         if not prefill:
             self.forward_widths.append(width)
-        out = {}
-        for row, (sequence, num_positions) in requests.items():
-            count = int(fed[row].shape[0])
-            # a copy, always: a CUDA graph's output is overwritten by its next replay, and levels keep scores
-            picked = logits[row, count - num_positions : count, : self.vocab_limit].to(torch.float32, copy=True)
-            out[row] = to_target_vocabulary(picked, self.vocab_limit)
-            self.lengths[row] = sequence.shape[0]
-        return out
+        return logits
 
     def _inputs(self, fed: dict[int, torch.LongTensor], width: int):
         """Token ids, positions and write slots ``[rows, width]`` on the device: each asked row's new
         tokens first, then pads (rows not asked: pads only), every token at slot = its position; a
         pad's position is its row's last real one (pads past a learned position table stay in range).
-        Built on the host from the lengths it knows: nothing is read back from the device."""
+        Built on the host from the lengths it knows: nothing is read back from the device, and the
+        positions and slots go up without the host waiting (`hf_polybasic.transfer.upload`)."""
         if max(self.lengths) + width > self.capacity:
             raise RuntimeError(
                 f"{self.role}: a forward would write slot {max(self.lengths) + width - 1} of a static cache of "
@@ -347,8 +410,9 @@ class StaticRunner:
         input_ids = torch.zeros(self.rows, width, dtype=torch.long, device=self.device)
         for row, tokens in fed.items():
             input_ids[row, : counts[row]] = tokens.to(self.device)
-        return (input_ids, torch.tensor(positions, dtype=torch.long).to(self.device),
-                torch.tensor(slots, dtype=torch.long).to(self.device))
+        # one upload for both, which the host does not wait for (the ids are on the device already)
+        positions, slots = upload(torch.tensor([positions, slots], dtype=torch.long), self.device).unbind(0)
+        return input_ids, positions, slots
 
     def prefill_repeated(self, prompts: dict[int, torch.LongTensor], repeats: int) -> None:
         """Cache every row's prompt but its last token (identical prompts are computed once per row
@@ -380,7 +444,7 @@ class StaticRunner:
         """Put the row's cached keys and values into ``cache`` (an empty `DynamicCache`, through its
         public ``update``): what a call hands back as ``past_key_values`` holds what plain `generate`'s does."""
         length = self.lengths[row]
-        if length == 0 or not self.cache.allocated:
+        if length == 0 or self.cache is None or not self.cache.allocated:
             return
         for index, layer in enumerate(self.cache.layers):
             cache.update(layer.keys[row : row + 1, :, :length].clone(), layer.values[row : row + 1, :, :length].clone(),

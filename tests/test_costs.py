@@ -46,7 +46,7 @@ def test_a_static_runner_has_curves_of_its_own_measured_through_it(tmp_path, mod
     and measured through that runner; the dynamic one's is untouched."""
     kinds = []
 
-    def measure(model, clock=None, runner="dynamic"):
+    def measure(model, clock=None, runner="dynamic", capacity=None):
         kinds.append(runner)
         return CostCurve({1: 0.01, 2: 0.01, 4: 0.01, 8: 0.01, 16: 0.02})
 

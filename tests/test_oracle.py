@@ -30,6 +30,7 @@ import os
 import re
 import warnings
 import zlib
+from unittest import mock
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -41,6 +42,7 @@ from test_batches import left_padded
 from transformers import StoppingCriteriaList, StopStringCriteria
 
 import hf_polybasic as hp
+from hf_polybasic import drafting
 from hf_polybasic.drafters import PromptLookup
 from hf_polybasic.testing import (
     EOS,
@@ -169,6 +171,7 @@ class Case:
     verification: str = "auto"  # PolybasicConfig.verification: "greedy" makes sampled intermediate levels argmax
     measure_costs: bool = True  # PolybasicConfig.measure_costs (False: the cost-aware schedule has no curves)
     runner: str = "dynamic"  # "static": cache_implementation="static"; "compiled": PolybasicConfig(compile=True)
+    reads: str = "cpu"  # "gpu": the package decides as where a read waits for the device (drafts read once a proposal)
 
     @property
     def rows(self) -> int:
@@ -246,6 +249,7 @@ def _cases(arch: str, do_sample: bool):
             verification=draw(st.sampled_from(["auto", "greedy"])),
             measure_costs=draw(st.sampled_from([True, True, False])),
             runner=draw(st.sampled_from(["dynamic", "dynamic", "static", "compiled"])),
+            reads=draw(st.sampled_from(["cpu", "gpu"])),
         )
 
     return draw_case()
@@ -443,7 +447,7 @@ def polybasic_generate(target, case: Case, resolved: Resolved):
         call["cache_implementation"] = "static"
     if case.do_sample:
         torch.manual_seed(case.seed)
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), mock.patch.object(drafting, "reads_wait", lambda device: case.reads == "gpu"):
         warnings.filterwarnings("ignore", message="hf_polybasic decodes this batch row by row")
         warnings.filterwarnings("ignore", message="hf_polybasic runs .* on a dynamic cache")
         warnings.filterwarnings("ignore", message="hf_polybasic let .* sit out")
@@ -500,6 +504,7 @@ def check_statistics(case: Case, resolved: Resolved, stats) -> None:
         TALLY[f"{kind} proposed"] += level.proposed > 0
         TALLY[f"{kind} drafted to"] += level.drafted > 0
         TALLY[f"runner {level.runner}"] += level.forward_passes > 0
+        TALLY[f"{kind} proposed, reads {case.reads}"] += level.proposed > 0
         TALLY["bypassed middle levels"] += level.bypassed_rounds > 0
     if case.runner == "dynamic":
         assert all(level.runner in ("dynamic", "") for level in levels), f"static runners without asking: {lines}"
@@ -697,6 +702,8 @@ def test_every_kind_of_level_took_part():
         pytest.skip("the oracle tests did not run in this session (or only a few examples)")
     for kind in ("intermediate", "model drafter", "PromptLookup", "added PromptLookup"):
         assert TALLY[f"{kind} proposed"] > 0, f"no {kind} ever proposed a token: {dict(TALLY)}"
+    for reads in ("cpu", "gpu"):  # the drafter that reads every step and the one that reads once a proposal
+        assert TALLY[f"model drafter proposed, reads {reads}"] > 0, f"no drafter proposed on the {reads}'s reads"
     assert TALLY["target drafted to"] > 0
     for schedule in SCHEDULES:
         assert TALLY[f"schedule {schedule}"] > 0, f"the {schedule} schedule never ran: {dict(TALLY)}"

@@ -44,9 +44,9 @@ def _full(model, sequence: torch.LongTensor, count: int) -> torch.Tensor:
 
 
 def test_bucket_and_capacity():
-    assert [bucket(k) for k in (1, 2, 3, 5, 8, 9, 17, 32, 33)] == [1, 2, 4, 8, 8, 16, 32, 32, 33]
+    assert [bucket(k) for k in (1, 2, 3, 5, 8, 9, 17, 32, 33, 64, 65)] == [1, 2, 4, 8, 8, 16, 32, 32, 64, 64, 65]
     assert capacity_for(10) == 256 and capacity_for(255 - max(WIDTHS)) == 256 and capacity_for(256 - max(WIDTHS)) == 512
-    assert capacity_for(300) == 512
+    assert capacity_for(300) == 512 and capacity_for(600) == 1024 and capacity_for(1500) == 2048  # tiers: powers of two
 
 
 @pytest.mark.parametrize("arch", STATIC_ARCHITECTURES)
@@ -68,14 +68,17 @@ def test_mpt_is_taken_where_its_release_takes_a_custom_4d_mask(shared_models):
 
 @st.composite
 def _operations(draw):
-    """Per step: each row's next sequence length (grown by 1-9 tokens, or cut back by a rollback first)."""
+    """Per step: each row's next sequence length (grown by 1-9 tokens, or by a catch-up of 60-150, wider
+    than the widest width, or cut back by a rollback first) and how many of its last logits are asked."""
     rows = draw(st.integers(1, 3))
     steps = []
     for _ in range(draw(st.integers(2, 6))):
         step = {}
         for row in range(rows):
             if draw(st.booleans()) or not steps or (row == rows - 1 and not step):
-                step[row] = (draw(st.integers(0, 5)), draw(st.integers(1, 9)))  # (tokens rolled back, new tokens)
+                new = draw(st.one_of(st.integers(1, 9), st.integers(60, 150)))
+                # (tokens rolled back, new tokens, logits asked: up to 3, or up to 70 across a catch-up's forwards)
+                step[row] = (draw(st.integers(0, 5)), new, draw(st.integers(1, min(new, 3 if new < 60 else 70))))
         steps.append(step)
     return rows, steps
 
@@ -83,21 +86,24 @@ def _operations(draw):
 @settings(max_examples=12, deadline=None)
 @given(arch=st.sampled_from(STATIC_ARCHITECTURES), operations=_operations(), data=st.data())
 def test_static_runner_logits_equal_full_forwards(arch, operations, data, shared_models):
-    """Rows of different lengths fed together, rolled back and fed other tokens: every logit equals a
-    full forward's over the row's sequence (the runner pads to buckets; pads never show)."""
+    """Rows of different lengths fed together, rolled back and fed other tokens, some more than the
+    widest width at once: every logit equals a full forward's over the row's sequence (the runner pads
+    to buckets and splits a wider forward into several of the widest; pads never show), and after
+    the prefill every forward has a width of `WIDTHS`, compiled or not."""
     target = shared_models.built(("static", arch), lambda: tiny_chain(arch, depth=1))[0]
     rows, steps = operations
-    runner = StaticRunner(target, "target", capacity_for(64), rows=rows)
+    compiled = data.draw(st.booleans())
+    runner = StaticRunner(target, "target", capacity_for(6 * 150), rows=rows, compiled=compiled)
     generator = torch.Generator().manual_seed(data.draw(st.integers(0, 1000)))
     sequences = {row: torch.randint(3, 90, (1,), generator=generator) for row in range(rows)}
     try:
         for step in steps:
             requests = {}
-            for row, (back, new) in step.items():
+            for row, (back, new, asked) in step.items():
                 kept = max(sequences[row].shape[0] - back, 1)
                 runner.rollback_rows({row: min(runner.lengths[row], kept)})
                 sequences[row] = torch.cat([sequences[row][:kept], torch.randint(3, 90, (new,), generator=generator)])
-                requests[row] = (sequences[row], min(new, 3))
+                requests[row] = (sequences[row], asked)
             logits = runner.logits_rows(requests)
             for row, (sequence, count) in requests.items():
                 torch.testing.assert_close(logits[row], _full(target, sequence, count), rtol=1e-4, atol=1e-4)
@@ -199,7 +205,7 @@ def test_compiled_forwards_make_one_graph_per_width_once(shared_models):
     target, *chain = shared_models.built(("static-chain", "qwen2"), lambda: tiny_chain("qwen2", depth=3))
     config = hp.PolybasicConfig(schedule="constant", num_draft_tokens=3, block_threshold=4, compile=True)
     calls = [(prompt(5, seed=1), 30), (prompt(9, seed=2), 30), (prompt(3, seed=3), 20), (prompt(12, seed=4), 40),
-             (prompt(40, seed=5), 10)] * 2
+             (prompt(70, seed=5), 10)] * 2
     seen = [set() for _ in range(3)]  # widths each model has met in decoding (prefills run uncompiled)
     for ids, budget in calls:
         before = _graphs()
@@ -213,6 +219,38 @@ def test_compiled_forwards_make_one_graph_per_width_once(shared_models):
         for level, known in zip(levels, seen):
             known.update(level.forward_widths)
     assert all(seen) and calls[-1][0].shape[1] > max(WIDTHS)  # prompts wider than a bucket prefill uncompiled
+
+
+def test_the_first_call_makes_a_graph_per_model_and_width_and_the_next_call_none():
+    """The default (cost-aware) with compiled forwards: the first call measures the cost curves through
+    the cache and graphs decoding then uses (its budget needs a larger cache than the measurement
+    alone), so it makes at most one graph per (model, width) it meets, measuring included; a second
+    call with another prompt length and budget within the same cache tier makes none beyond widths it
+    meets for the first time (the capacity is no part of a graph's key)."""
+    from hf_polybasic.costs import CostCurves, MEASURED_TOKENS
+    from hf_polybasic.integration import make_generate
+
+    target, draft = tiny_chain("llama", depth=2, seed=31)
+    generate = make_generate(costs=CostCurves(directory=None))  # curves in memory, measured in the first call
+    measured = {bucket(k) for k in MEASURED_TOKENS}
+    seen = [set(measured), set(measured)]  # widths each model has met
+    for call, (length, budget) in enumerate([(100, 96), (150, 60)]):  # one 512-slot tier; the measurement needs 256
+        assert capacity_for(length + budget) == 512 and capacity_for(64 + max(MEASURED_TOKENS) + 1) == 256
+        ids = prompt(length, seed=length)
+        before = _graphs()
+        out = target.generate(ids, custom_generate=generate, assistant_models=[draft], do_sample=False,
+                              max_new_tokens=budget, return_dict_in_generate=True, eos_token_id=None,
+                              polybasic_config=hp.PolybasicConfig(compile=True))
+        plain = target.generate(ids, do_sample=False, max_new_tokens=budget, eos_token_id=None)
+        assert torch.equal(out.sequences, plain) and plain.shape[1] == length + budget
+        levels = out.polybasic_stats.levels
+        # (on the wall clock tiny models cost alike, and the default may leave the target decoding alone)
+        assert [level.runner for level in levels] == ["static, compiled"] * 2
+        new = sum(len(set(level.forward_widths) - known) for level, known in zip(levels, seen))
+        allowed = new + (2 * len(measured) if call == 0 else 0)  # the first call's measurement: each width once
+        assert _graphs() - before <= allowed, f"{_graphs() - before} graphs for {new} new widths"
+        for level, known in zip(levels, seen):
+            known.update(level.forward_widths)
 
 
 def test_compiled_cost_aware_default_is_exact_and_draws_on_the_compiled_runner(shared_models):

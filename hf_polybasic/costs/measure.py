@@ -88,17 +88,20 @@ def cost_key(model: torch.nn.Module) -> str:
 RUNNERS = ("dynamic", "static", "compiled")
 
 
-def measuring_runner(model: torch.nn.Module, runner: str, longest: int, clock: Clock = DEFAULT_CLOCK):
+def measuring_runner(model: torch.nn.Module, runner: str, longest: int, clock: Clock = DEFAULT_CLOCK,
+                     capacity: int | None = None):
     """A runner of the kind decoding uses (``runner``: "dynamic" `CachedModel`, "static" or "compiled"
     `StaticRunner`), so that a curve holds what that runner's forwards cost: a static runner's are
-    padded to its widths (a step function of k) and a compiled one's run as graphs."""
+    padded to its widths (a step function of k) and a compiled one's run as graphs, on the cache
+    (``capacity`` slots, at least what ``longest`` tokens need) and so the graphs decoding then uses."""
     if runner not in RUNNERS:
         raise ValueError(f"runner must be one of {RUNNERS}, got {runner!r}")
     if runner == "dynamic":
         return CachedModel(model, new_dynamic_cache(model), role="measured model", clock=clock)
     from ..static import StaticRunner, capacity_for
 
-    return StaticRunner(model, "measured model", capacity_for(longest), clock=clock, compiled=runner == "compiled")
+    return StaticRunner(model, "measured model", max(capacity_for(longest), capacity or 0), clock=clock,
+                        compiled=runner == "compiled")
 
 
 @torch.no_grad()
@@ -109,16 +112,17 @@ def measure_curve(
     repeats: int = 3,
     clock: Clock = DEFAULT_CLOCK,
     runner: str = "dynamic",
+    capacity: int | None = None,
 ) -> CostCurve:
     """Measure T(k) of ``model`` for each k in ``tokens`` after ``context`` cached tokens: two untimed
     forwards of every size first (weights paged in, kernels built (or graphs compiled) for each
     shape), then ``repeats`` timed rounds over all sizes (interleaved, so drift hits every size
     alike); the median of each. ``runner``: the kind of runner the forwards go through
-    (`measuring_runner`). Uses its own cache and changes nothing."""
+    (`measuring_runner`, with a static runner's ``capacity``). Uses its own cache and changes nothing."""
     vocab = model.config.get_text_config(decoder=True).vocab_size
     device = next(model.parameters()).device
     prefix = (torch.arange(context, device=device) * 7919 % max(vocab - 3, 1)) + 3
-    kind, runner = runner, measuring_runner(model, runner, context + max(int(k) for k in tokens) + 1, clock)
+    kind, runner = runner, measuring_runner(model, runner, context + max(int(k) for k in tokens) + 1, clock, capacity)
     runner.logits(prefix, 1)
     sizes = [int(k) for k in tokens]
     for k in sizes:

@@ -102,12 +102,14 @@ class CostCurves:
         return key if runner == "dynamic" else f"{key}-{runner}"
 
     def curve_for(
-        self, model: torch.nn.Module, clock: Clock = DEFAULT_CLOCK, measure: bool = True, runner: str = "dynamic"
+        self, model: torch.nn.Module, clock: Clock = DEFAULT_CLOCK, measure: bool = True, runner: str = "dynamic",
+        capacity: int | None = None,
     ) -> CostCurve | None:
         """The curve of ``model`` on this machine, through ``runner`` ("dynamic", "static" or
         "compiled": the runner decoding uses, `measure_curve`): from memory, else from disk, else
         measured now (only this key is locked meanwhile). None when there is none and measuring is
-        off (``measure=False`` or ``$HF_POLYBASIC_MEASURE_COSTS=0``)."""
+        off (``measure=False`` or ``$HF_POLYBASIC_MEASURE_COSTS=0``). ``capacity``: a static runner's
+        slots per row in the call that asks, so the measurement meets the graphs decoding will."""
         key = self.key_of(model, runner)
         with self._lock(key):
             if key in self._curves:
@@ -117,7 +119,8 @@ class CostCurves:
                 if not (measure and measuring_allowed()):
                     return None
                 log.info("hf_polybasic: measuring the forward costs of %s on this machine", type(model).__name__)
-                curve = self.measure(model, clock=clock, **({} if runner == "dynamic" else {"runner": runner}))
+                static = {} if runner == "dynamic" else {"runner": runner, "capacity": capacity}
+                curve = self.measure(model, clock=clock, **static)
                 self._save(key, curve)
             self._curves[key] = curve
             return curve
