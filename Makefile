@@ -43,10 +43,11 @@ $(QUANT4)/.installed: pyproject.toml $(VENV)/.installed
 	$(EXTRA) quant4 | xargs $(BIN)/pip install --quiet --no-deps --no-warn-conflicts --target $(QUANT4)
 	touch $@
 
-# The full suite runs on the release installed in .venv ($(NEWEST)), alone (some of its tests time
-# real forwards); then the runs below, two at a time (the 2 cores of CI; each pytest uses one thread),
-# each with a subset chosen to keep `make test` within about 20 minutes from a clean clone
-# (README, Compatibility):
+# The full suite runs on the release installed in .venv ($(NEWEST)), alone among the tests (some of
+# them time real forwards) but beside the bands' installs (downloads and unpacking, mostly I/O, on
+# the core the single-threaded suite leaves idle; their log: .matrix/installs.log); then the runs
+# below, two at a time (the 2 cores of CI; each pytest uses one thread), each with a subset chosen
+# to keep `make test` within about 15 minutes from a clean clone (docs/compatibility.md):
 # - test-quant4: the nf4 tests (and the costs table's nf4 row), with the quant4 extra on PYTHONPATH;
 # - test-matrix: one release of every band where the internals we touch changed, each installed
 #   beside .venv in .matrix/ (pure-Python wheels, seconds) and put first on PYTHONPATH;
@@ -54,8 +55,14 @@ $(QUANT4)/.installed: pyproject.toml $(VENV)/.installed
 #   the same way (PyPI's CUDA build with its NVIDIA libraries, about 4.6 GB; it runs on the CPU);
 # - test-torch-newest: the newest torch release (requirements/torch-newest.txt), the same way (about
 #   5.3 GB), while the .venv keeps 2.13.0.
+BAND_INSTALLS = $(TORCH_FLOOR_DIR)/.installed $(TORCH_NEWEST_DIR)/.installed $(QUANT4)/.installed \
+	$(foreach release,$(MATRIX_RELEASES),.matrix/transformers-$(release)/.installed)
 test: $(VENV)/.installed
-	$(BIN)/python -m pytest -q
+	@mkdir -p .matrix
+	@$(MAKE) --no-print-directory -j2 $(BAND_INSTALLS) > .matrix/installs.log 2>&1 & installs=$$!; \
+	$(BIN)/python -m pytest -q; suite=$$?; \
+	wait $$installs || { echo "== the bands' installs failed:"; cat .matrix/installs.log; exit 1; }; \
+	exit $$suite
 	$(MAKE) --no-print-directory -j2 --output-sync=target test-torch-floor test-torch-newest test-matrix test-quant4
 
 QUANT4_TESTS := tests/test_four_bit.py tests/test_machine_aware.py::test_the_costs_command_measures_every_variant_and_writes_its_table

@@ -206,3 +206,50 @@ def test_the_waits_counter_counts_blocking_uploads():
         counted[name] = waits.count
     assert counted == {"tensor with a device": 1, "new_tensor": 1, "host tensor .to(device)": 1, "upload": 0,
                        "device factory": 0, "read": 1}
+
+
+# --- the host's own decisions: the same as the device's ------------------------------------------
+@pytest.mark.parametrize("eos", [[5], [5, 9], []])
+@pytest.mark.parametrize("max_length", [7, 9, 30])
+def test_host_stops_give_the_criteria_own_verdicts(eos, max_length):
+    """`HostStops` keeps as many of a round's tokens as the criteria themselves would: each token's
+    prefix checked by the criterion, the first that fires ends the round."""
+    from transformers.generation import EosTokenCriteria, MaxLengthCriteria, StoppingCriteriaList
+
+    from hf_polybasic.engine import HostStops
+
+    criteria = StoppingCriteriaList([MaxLengthCriteria(max_length)] + ([EosTokenCriteria(eos)] if eos else []))
+    host = HostStops.of(criteria)
+    assert host is not None
+    prefix = torch.tensor([3, 4, 6])
+    for ids in ([7, 8, 5, 9], [9, 1, 2, 3, 4, 5, 6, 7], [1, 2], [5]):
+        expected = None
+        for count in range(1, len(ids) + 1):
+            grown = torch.cat([prefix, torch.tensor(ids[:count])]).unsqueeze(0)
+            if bool(criteria(grown, torch.zeros(1, 10)).any()):
+                expected = count
+                break
+        assert host.first_stop(prefix.shape[0], ids) == expected, (ids, eos, max_length)
+
+
+def test_host_stops_leave_criteria_of_the_users_own_to_the_device():
+    from transformers.generation import MaxLengthCriteria, MaxTimeCriteria, StoppingCriteria, StoppingCriteriaList
+
+    from hf_polybasic.engine import HostStops
+
+    class Never(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+    assert HostStops.of(StoppingCriteriaList([MaxLengthCriteria(10), Never()])) is None
+    assert HostStops.of(StoppingCriteriaList([])) is not None
+    deadline = HostStops.of(StoppingCriteriaList([MaxTimeCriteria(0.0)]))
+    assert deadline.first_stop(3, [1, 2]) == 1  # past its time: the first token ends the round
+
+
+def test_the_draft_width_follows_where_the_schedule_cut():
+    """A drafter that reads once a proposal drafts the power of two above its last cut (room to draft
+    on), twice as far when it kept every token, and never less than half its last width."""
+    assert [drafting.next_width(8, cut) for cut in (1, 2, 3, 4, 5, 7)] == [4, 4, 4, 8, 8, 8]
+    assert [drafting.next_width(4, cut) for cut in (1, 2, 3)] == [2, 4, 4]
+    assert drafting.next_width(4, None) == 8 and drafting.next_width(16, 1) == 8
