@@ -360,3 +360,26 @@ def test_compile_options_capture_cuda_graphs_on_a_gpu_only():
     options = conftest.INDUCTOR_COMPILE_OPTIONS
     assert options(torch.device("cuda")) == {"mode": "reduce-overhead", "dynamic": False}
     assert options("cpu") == {"mode": None, "dynamic": False}
+
+
+def test_a_model_past_its_graph_limit_runs_new_widths_uncompiled_and_says_so(monkeypatch):
+    """`GRAPHS_PER_MODEL` graphs made, a forward of a new width runs uncompiled (exact all the same),
+    said in a warning once; widths that have their graph keep replaying it."""
+    monkeypatch.setattr(static, "GRAPHS_PER_MODEL", 2)
+    monkeypatch.setattr(static, "_warned_graph_limit", set())
+    target = tiny_chain("llama", depth=1, seed=33)[0]
+    runner = StaticRunner(target, "target", capacity_for(64), compiled=True)
+    sequence = torch.randint(3, 90, (40,), generator=torch.Generator().manual_seed(3))
+    try:
+        runner.logits_rows({0: (sequence[:5], 1)})  # the prefill: uncompiled, no graph
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            before = _graphs()
+            for end in (6, 8, 12, 20, 21, 23):  # widths 1, 2, 4, 8, then 1 and 2 again
+                logits = runner.logits_rows({0: (sequence[:end], 1)})
+                torch.testing.assert_close(logits[0], _full(target, sequence[:end], 1), rtol=1e-4, atol=1e-4)
+        limit = [w for w in caught if "compiled graphs (GRAPHS_PER_MODEL" in str(w.message)]
+        assert len(limit) == 1, [str(w.message) for w in caught]
+        assert _graphs() - before == 2 and runner.cache.compiled_widths == {1, 2}
+    finally:
+        runner.close()
