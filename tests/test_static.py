@@ -222,35 +222,42 @@ def test_compiled_forwards_make_one_graph_per_width_once(shared_models):
 
 
 def test_the_first_call_makes_a_graph_per_model_and_width_and_the_next_call_none():
-    """The default (cost-aware) with compiled forwards: the first call measures the cost curves through
-    the cache and graphs decoding then uses (its budget needs a larger cache than the measurement
-    alone), so it makes at most one graph per (model, width) it meets, measuring included; a second
-    call with another prompt length and budget within the same cache tier makes none beyond widths it
-    meets for the first time (the capacity is no part of a graph's key)."""
-    from hf_polybasic.costs import CostCurves, MEASURED_TOKENS
+    """The default (cost-aware) with compiled forwards: the first call measures the target's cost curve
+    through the cache and graphs decoding then uses (its budget needs a larger cache than the
+    measurement alone), so every graph it makes is one (model, width) on the one cache each model
+    keeps; a second call with another prompt length and budget within the same cache tier gets the
+    same caches and makes graphs only for widths they have not met (the capacity is no part of a
+    graph's key). (The drafter, of the target's shape here, shares its measured curve.)"""
+    from hf_polybasic.costs import MEASURED_TOKENS, CostCurves
     from hf_polybasic.integration import make_generate
 
     target, draft = tiny_chain("llama", depth=2, seed=31)
     generate = make_generate(costs=CostCurves(directory=None))  # curves in memory, measured in the first call
-    measured = {bucket(k) for k in MEASURED_TOKENS}
-    seen = [set(measured), set(measured)]  # widths each model has met
-    for call, (length, budget) in enumerate([(100, 96), (150, 60)]):  # one 512-slot tier; the measurement needs 256
+
+    def compiled_widths() -> dict:
+        return {model: set(static._pool[model][1].compiled_widths) for model in (target, draft) if model in static._pool}
+
+    caches = None
+    for length, budget in [(100, 96), (150, 60)]:  # one 512-slot tier; the measurement needs 256
         assert capacity_for(length + budget) == 512 and capacity_for(64 + max(MEASURED_TOKENS) + 1) == 256
         ids = prompt(length, seed=length)
-        before = _graphs()
+        before, widths_before = _graphs(), compiled_widths()
         out = target.generate(ids, custom_generate=generate, assistant_models=[draft], do_sample=False,
                               max_new_tokens=budget, return_dict_in_generate=True, eos_token_id=None,
                               polybasic_config=hp.PolybasicConfig(compile=True))
         plain = target.generate(ids, do_sample=False, max_new_tokens=budget, eos_token_id=None)
         assert torch.equal(out.sequences, plain) and plain.shape[1] == length + budget
         levels = out.polybasic_stats.levels
-        # (on the wall clock tiny models cost alike, and the default may leave the target decoding alone)
         assert [level.runner for level in levels] == ["static, compiled"] * 2
-        new = sum(len(set(level.forward_widths) - known) for level, known in zip(levels, seen))
-        allowed = new + (2 * len(measured) if call == 0 else 0)  # the first call's measurement: each width once
-        assert _graphs() - before <= allowed, f"{_graphs() - before} graphs for {new} new widths"
-        for level, known in zip(levels, seen):
-            known.update(level.forward_widths)
+        widths = compiled_widths()
+        made = sum(len(widths[model] - widths_before.get(model, set())) for model in widths)
+        assert _graphs() - before == made, f"{_graphs() - before} graphs for {made} new (model, width) pairs"
+        for model, level in zip((target, draft), levels):  # decoding ran on the cache its graphs are for
+            assert set(level.forward_widths) <= widths.get(model, set())
+        kept = {model: static._pool[model][1] for model in widths}
+        assert caches is None or all(kept[model] is caches[model] for model in caches), "a cache made again"
+        caches = kept
+    assert {bucket(k) for k in MEASURED_TOKENS} <= widths[target]  # the measurement's graphs, on the same cache
 
 
 def test_compiled_cost_aware_default_is_exact_and_draws_on_the_compiled_runner(shared_models):
