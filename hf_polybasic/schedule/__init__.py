@@ -18,7 +18,7 @@ The pure math (expected tokens, the best length, the acceptance estimate) is in 
 confidence-to-acceptance curves in `calibration`, the pause / probe states in `backoff`, and the
 back-off of a batch as a whole (its rows share every forward, so whether proposing pays is decided
 for all of them, by the clock) in `batch_gate`, and whether a middle level takes part at all (Theorem
-3.2 on measured costs and acceptance) in `shape_gate`.
+3.2 on measured costs and acceptance), or the drafter below it (Lemma 3.1), in `shape_gate`.
 
 Why every schedule is lossless: the length is chosen from the past only (acceptance counts,
 timings, and the tokens already drafted, which are all kept), never by dropping a drawn token, and
@@ -45,6 +45,7 @@ class Schedule(Protocol):
 
     stops_per_token: bool
     paused_rounds: int
+    uncalibrated_answers: int  # `keep_drafting` answers given before its calibration had evidence
 
     def length(self) -> int: ...
 

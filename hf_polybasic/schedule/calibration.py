@@ -32,6 +32,9 @@ PRIOR_WEIGHT = 2.0
 # what a call learned weighs at most this many observations per bin at the start of the next call of
 # the same pair of models (`remembered`): enough to start from, little enough to follow a new text
 CARRIED_WEIGHT = 24.0
+# drafts revealed (in this call or carried from the last one) before a calibration is trusted to end
+# or extend a proposal: before that, where a proposal stops is the prior's choice, not the pair's
+CALIBRATED_OBSERVATIONS = 6
 
 
 def _bin(confidence: float) -> int:
@@ -52,6 +55,13 @@ class ConfidenceCalibration:
         self._accepted = [[PRIOR_WEIGHT * _prior(i), PRIOR_WEIGHT] for i in range(bins)]
         self._next = [[PRIOR_WEIGHT * _prior(i), PRIOR_WEIGHT] for i in range(bins)]
         self.observations = 0  # drafts revealed to this object (not carried over)
+        self.carried = 0.0  # drafts the tables carried from an earlier call hold beyond the prior
+
+    @property
+    def calibrated(self) -> bool:
+        """Whether enough drafts were revealed (here or carried) for its curves to be the pair's own
+        rather than the prior's: `CALIBRATED_OBSERVATIONS`."""
+        return self.observations + self.carried >= CALIBRATED_OBSERVATIONS
 
     @staticmethod
     def _rate(table: list, confidence: float) -> float:
@@ -92,21 +102,22 @@ class _Remembered:
     def __init__(self):
         self._tables = ModelMemory()  # (proposer, verifier) -> (accepted, next) tables
 
-    def start(self, proposer, verifier) -> ConfidenceCalibration:
+    def start(self, proposer, verifier, within: tuple = ()) -> ConfidenceCalibration:
         """A calibration for a new call: what the last call of this pair learned (capped), else the prior."""
         calibration = ConfidenceCalibration()
-        tables = self._tables.get((proposer, verifier))
+        tables = self._tables.get((proposer, verifier, *within))
         if tables is not None:
             for mine, theirs in zip((calibration._accepted, calibration._next), tables):
                 for cell, (successes, trials) in zip(mine, theirs):
                     scale = min(1.0, CARRIED_WEIGHT / trials) if trials else 1.0
                     cell[0], cell[1] = successes * scale, trials * scale
+            calibration.carried = sum(max(trials - PRIOR_WEIGHT, 0.0) for _, trials in calibration._accepted)
         return calibration
 
-    def keep(self, proposer, verifier, calibration: ConfidenceCalibration) -> None:
+    def keep(self, proposer, verifier, calibration: ConfidenceCalibration, within: tuple = ()) -> None:
         """What ``calibration`` learned, for the pair's next call."""
         tables = ([list(cell) for cell in calibration._accepted], [list(cell) for cell in calibration._next])
-        self._tables.put((proposer, verifier), tables)
+        self._tables.put((proposer, verifier, *within), tables)
 
 
 remembered = _Remembered()

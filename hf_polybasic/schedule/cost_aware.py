@@ -110,6 +110,10 @@ class CostAwareSchedule:
         self.verify_seconds = self.verifications = 0.0
         self.overhead_seconds = self.overhead_rounds = 0.0
         self._confidences: list[float] = []
+        # `keep_drafting` answers given before the calibration was the pair's own (`calibrated`): the
+        # lengths of those proposals (cut short or drafted on) are the prior's, so the shape gate takes
+        # no verdict from their rounds
+        self.uncalibrated_answers = 0
         self._last_proposal_seconds = 0.0
         self._checked_costs = False
 
@@ -155,7 +159,10 @@ class CostAwareSchedule:
         round_seconds = drafted * step + verified
         extras = [m * step + self.verification_seconds(drafted + 1 + m) - verified
                   for m in range(1, min(LOOKAHEAD, self.maximum - drafted) + 1)]
-        return worth_more(survival, calibration.next_acceptance(confidence), expected, round_seconds, extras)
+        going = worth_more(survival, calibration.next_acceptance(confidence), expected, round_seconds, extras)
+        if not calibration.calibrated:
+            self.uncalibrated_answers += 1
+        return going
 
     # --- estimates ---------------------------------------------------------------------------------
     def acceptance_rate(self) -> float:

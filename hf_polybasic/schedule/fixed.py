@@ -8,6 +8,7 @@ class ConstantSchedule:
 
     stops_per_token = False
     paused_rounds = 0
+    uncalibrated_answers = 0
 
     def __init__(self, length: int):
         self.current = length

@@ -1,8 +1,8 @@
 """What one call learned about a group of models, for the next call of the same group.
 
 A value is kept under a tuple of models, each held weakly: it is found only by the same models (by
-identity, in the same order) and goes when the first of them is collected. One lock guards it, so
-calls in threads may share it.
+identity, in the same order, as many) and goes when the first of them is collected. One lock guards
+it, so calls in threads may share it.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ class ModelMemory:
         first, *rest = models
         with self._lock:
             for refs, value in self._by_first.get(first, ()):
-                if all(ref() is model for ref, model in zip(refs, rest)):
+                if len(refs) == len(rest) and all(ref() is model for ref, model in zip(refs, rest)):
                     return value
         return None
 
@@ -32,5 +32,6 @@ class ModelMemory:
         first, *rest = models
         with self._lock:
             kept = [(refs, old) for refs, old in self._by_first.get(first, ())
-                    if all(ref() is not None for ref in refs) and not all(ref() is model for ref, model in zip(refs, rest))]
+                    if all(ref() is not None for ref in refs)
+                    and not (len(refs) == len(rest) and all(ref() is model for ref, model in zip(refs, rest)))]
             self._by_first[first] = [*kept, ([weakref.ref(model) for model in rest], value)]
