@@ -37,6 +37,7 @@ from .processing import DecodingRules, process_positions
 from .protocol import Block, Level, Proposal, Runner
 from .schedule import BatchGate, Schedule, ShapeGate, make_schedule
 from .schedule.calibration import remembered as remembered_calibration
+from .schedule.shape_gate import BYPASSED, DROPPED
 from .probe import compile_problem, static_problem
 from .static import StaticRunner
 from .stats import LevelStats, PolybasicStats
@@ -195,23 +196,36 @@ class IntermediateLevel(ScheduledRows):
     under the cost-aware schedule) the level is *bypassed* in the rounds the gate says: the drafter
     proposes straight to the level above, under its ``bypass_schedules`` (priced by that level's
     costs), and this level's model neither verifies nor runs (its cache catches up when it is back).
+    With a ``drop_drafter`` too (a `ModelDrafter` over this level's own runner, under schedules priced
+    by the level above's costs) the gate may *drop* the drafter instead: this level's model drafts its
+    block token by token, reporting the distribution each token was drawn from as any model drafter
+    does, and the drafter neither drafts nor runs (its cache catches up when it is back).
     """
 
     def __init__(self, verifier: Verifier, schedules: dict[int, Schedule], clock: Clock = DEFAULT_CLOCK,
-                 shape_gate: ShapeGate | None = None, bypass_schedules: dict[int, Schedule] | None = None):
+                 shape_gate: ShapeGate | None = None, bypass_schedules: dict[int, Schedule] | None = None,
+                 drop_drafter: ModelDrafter | None = None):
         super().__init__()
         self.verifier, self.schedules, self.clock = verifier, schedules, clock
         self.stats = verifier.stats
         verifier.confidences = any(schedule.stops_per_token for schedule in schedules.values())
-        self.shape_gate, self.bypass_schedules = shape_gate, bypass_schedules
-        self._bypassing = False
+        self.shape_gate, self.bypass_schedules, self.drop_drafter = shape_gate, bypass_schedules, drop_drafter
+        self._bypassing = self._dropping = False
         self._own_schedules = None  # the drafter's schedules, while a bypassed round lends it others
-        self._before: tuple[int, int, int, int] | None = None
+        self._before: tuple[int, ...] | None = None
 
-    def _counts(self) -> tuple[int, int, int, int]:
-        """(this level's verifications, drafted, accepted, the drafter's forwards) so far."""
+    def _counts(self) -> tuple[int, ...]:
+        """(this level's verifications, drafted, accepted, the drafter's forwards, this level's
+        forwards, answers of its schedules and the drafter's, in any shape, given on an uncalibrated
+        confidence calibration) so far."""
         child = self.verifier.child
-        return (self.stats.verifications, self.stats.drafted, self.stats.accepted, child.runner.forward_passes)
+        lent = [self.schedules, child.schedules, self.bypass_schedules,
+                None if self.drop_drafter is None else self.drop_drafter.schedules]
+        distinct = {id(schedules): schedules for schedules in lent if schedules is not None}.values()
+        stops = sum(getattr(schedule, "uncalibrated_answers", 0)
+                    for schedules in distinct for schedule in schedules.values())
+        return (self.stats.verifications, self.stats.drafted, self.stats.accepted, child.runner.forward_passes,
+                self.verifier.runner.forward_passes, stops)
 
     def _bypass(self, requests: dict[int, tuple[torch.LongTensor, int]]) -> dict[int, Proposal]:
         child = self.verifier.child
@@ -219,26 +233,41 @@ class IntermediateLevel(ScheduledRows):
         self._bypassing = True
         return child.propose(requests)
 
+    def _drop(self, requests: dict[int, tuple[torch.LongTensor, int]]) -> dict[int, Proposal]:
+        self._dropping = True
+        return self.drop_drafter.propose(requests)
+
     def verified(self, kept: dict[int, int], seconds: float) -> None:
-        if not self._bypassing:
-            super().verified(kept, seconds)
-        else:  # the drafter's round under the level above: it learns and rolls back under the lent schedules
+        emitted = sum(kept.values()) + len(kept)
+        if self._bypassing:  # the drafter's round under the level above: it learns, rolls back under the lent schedules
             child = self.verifier.child
             child.verified(kept, seconds)
             child.schedules, self._bypassing = self._own_schedules, False
-            self.shape_gate.observe(len(kept), sum(kept.values()) + len(kept), sum(child._proposed[r] for r in kept),
-                                    self._counts()[3] - self._before[3])
+            changed = [now - then for now, then in zip(self._counts(), self._before)]
+            self.shape_gate.observe(len(kept), emitted, sum(child._proposed[r] for r in kept), changed[3], (0, 0, 0),
+                                    changed[5] > 0)
             return
+        if self._dropping:  # this level's model drafted on its own: it learns and rolls back as a drafter
+            self.drop_drafter.verified(kept, seconds)
+            self._dropping = False
+            changed = [now - then for now, then in zip(self._counts(), self._before)]
+            self.shape_gate.observe(len(kept), emitted, sum(self.drop_drafter._proposed[r] for r in kept), changed[4],
+                                    (0, 0, 0), changed[5] > 0)
+            return
+        super().verified(kept, seconds)
         if self.shape_gate is not None:
-            verifications, drafted, accepted, forwards = (now - then for now, then in zip(self._counts(), self._before))
-            self.shape_gate.observe(len(kept), sum(kept.values()) + len(kept), sum(self._proposed[r] for r in kept),
-                                    forwards, (verifications, accepted + verifications, drafted))
+            verifications, drafted, accepted, forwards, _, stops = (
+                now - then for now, then in zip(self._counts(), self._before))
+            self.shape_gate.observe(len(kept), emitted, sum(self._proposed[r] for r in kept), forwards,
+                                    (verifications, accepted + verifications, drafted), stops > 0)
 
     def propose(self, requests: dict[int, tuple[torch.LongTensor, int]]) -> dict[int, Proposal]:
         if self.shape_gate is not None:
             self._before = self._counts()
             if self.shape_gate.bypassed:
                 return self._bypass(requests)
+            if self.shape_gate.drops:
+                return self._drop(requests)
         blocks, thresholds, building = {}, {}, []
         for row, (sequence, budget) in requests.items():
             thresholds[row] = self.schedules[row].length()
@@ -297,27 +326,20 @@ class ChainParts:
     verifier: type = Verifier
 
 
-def shape_probe_rounds(shape: ShapeGate) -> int:
-    """Rounds a gate bypasses its level only to measure the chain without it."""
-    from .schedule.shape_gate import OUT_ROUNDS, PROBE_ROUNDS
-
-    return OUT_ROUNDS + PROBE_ROUNDS * max(shape.decisions - 1, 0)
+_warned_sat_out: set[tuple[str, str]] = set()
 
 
-_warned_sat_out: set[str] = set()
-
-
-def _warn_sat_out(name: str, reason: str) -> None:
-    """Once per level kind: a level the user passed sat out most of a call."""
+def _warn_sat_out(name: str, reason: str, dropped: bool = False) -> None:
+    """Once per level kind and way: a level the user passed sat out most of a call (a middle level
+    bypassed, or the drafter ``dropped`` while the level above it drafted alone)."""
     kind = name.split(" ", 1)[-1]
-    if kind not in _warned_sat_out:
-        _warned_sat_out.add(kind)
-        warnings.warn(
-            f"hf_polybasic let {name} sit out: the chain ran faster without it ({reason}). Its drafts went straight "
-            "to the level above; polybasic_stats says in how many rounds (bypassed_rounds)",
-            UserWarning,
-            stacklevel=6,
-        )
+    if (kind, str(dropped)) not in _warned_sat_out:
+        _warned_sat_out.add((kind, str(dropped)))
+        how = ("The level above it drafted on its own; polybasic_stats says in how many rounds (dropped_rounds)"
+               if dropped else
+               "Its drafts went straight to the level above; polybasic_stats says in how many rounds (bypassed_rounds)")
+        warnings.warn(f"hf_polybasic let {name} sit out: the chain ran faster without it ({reason}). {how}",
+                      UserWarning, stacklevel=6)
 
 
 def level_names(target: torch.nn.Module, assistant_models: Sequence) -> list[str]:
@@ -364,7 +386,7 @@ class Chain:
     estimates: list
     gate: BatchGate | None = None  # a batch's: whether the level under the target proposes at all
     shape_gates: dict = field(default_factory=dict)  # level index -> its ShapeGate (whether it takes part)
-    learned: list = field(default_factory=list)  # (proposer, verifier, schedules): calibrations to keep
+    learned: list = field(default_factory=list)  # (proposer, verifier, within, schedules): calibrations to keep
 
     def finish(self, costs: CostCurves | None = None) -> PolybasicStats:
         """Fill in what the levels counted (forward passes, rounds sat out, forward costs) and let
@@ -384,17 +406,21 @@ class Chain:
                 runner.close()
             elif runner is not None:
                 level.runner = "dynamic"
-        for proposer, verifier, schedules in self.learned:  # the row that learned most, for the next call
+        for proposer, verifier, within, schedules in self.learned:  # the row that learned most, for the next call
             taught = max(schedules.values(), key=lambda schedule: schedule.calibration.observations)
-            remembered_calibration.keep(proposer, verifier, taught.calibration)
+            remembered_calibration.keep(proposer, verifier, taught.calibration, within)
         for index, shape in self.shape_gates.items():
-            level = self.stats.levels[index]
-            level.bypassed_rounds = shape.bypassed_rounds
+            level, below = self.stats.levels[index], self.stats.levels[index + 1]
+            level.bypassed_rounds, below.dropped_rounds = shape.bypassed_rounds, shape.dropped_rounds
             if shape.verdict is not None:
                 level.insertion_saving = shape.verdict.time_saved_per_token
-            if shape.bypassed_rounds > shape_probe_rounds(shape):  # sat out beyond the gate's probes
+            # sat out beyond the rounds the gate measured the chain without it
+            if shape.bypassed_rounds > shape.probe_rounds[BYPASSED]:
                 level.sat_out = shape.describe()
                 _warn_sat_out(level.name, level.sat_out)
+            if shape.dropped_rounds > shape.probe_rounds.get(DROPPED, 0):
+                below.sat_out = shape.describe_drop()
+                _warn_sat_out(below.name, below.sat_out, dropped=True)
         return self.stats
 
 
@@ -485,15 +511,15 @@ def build_chain(
     def per_row(make):
         return {row: make() for row in rows}
 
-    learned = []  # (proposing model, verifying model, its rows' schedules): calibrations kept for later calls
+    learned = []  # (proposing model, verifying model, within, its rows' schedules): calibrations kept for later calls
 
-    def calibrated(proposer: int, verifier: int, make):
+    def calibrated(proposer: int, verifier: int, make, within: tuple = ()):
         """Each row's schedule of a model level, its calibration started from what the last call of the
-        same two models learned (cost-aware only)."""
+        same two models learned (cost-aware only); ``within``: the models that key it further."""
         if config.schedule != "cost_aware":
             return per_row(lambda: make(None))
-        made = per_row(lambda: make(remembered_calibration.start(models[proposer], models[verifier])))
-        learned.append((models[proposer], models[verifier], made))
+        made = per_row(lambda: make(remembered_calibration.start(models[proposer], models[verifier], within)))
+        learned.append((models[proposer], models[verifier], within, made))
         return made
 
     schedules = [None] * len(models)
@@ -536,14 +562,25 @@ def build_chain(
         shape = {}
         if index == bottom - 1 and runners[bottom] is not None and None not in estimates[index - 1 : bottom + 1]:
             # the level right above a model drafter takes part only while Theorem 3.2 says it pays; when
-            # bypassed, the drafter proposes to the level above under schedules priced by its costs
+            # bypassed, the drafter proposes to the level above under schedules priced by its costs; and
+            # the drafter only while the level's model drafting alone to the level above is not faster:
+            # then that model drafts under schedules priced by the level above's costs, with a
+            # calibration of its own (kept for this chain: `calibration.remembered`, ``within``)
             drafter_step = estimates[bottom].seconds(count) / count
+            middle_step = estimates[index].seconds(count) / count
             level_costs = (shared[index - 1].seconds, shared[index].seconds, shared[bottom].seconds)
-            shape = dict(shape_gate=ShapeGate(level_costs, models=(models[index - 1], models[index], models[bottom])),
+            drop_schedules = calibrated(index, index - 1, lambda calibration: make_schedule(
+                config.schedule, config.num_draft_tokens, MAX_DRAFT_TOKENS, per_token=True,
+                verifier_costs=shared[index - 1], step_seconds=middle_step, gate=gate if index == 1 else None,
+                calibration=calibration), within=(models[bottom],))
+            shape = dict(shape_gate=ShapeGate(level_costs, models=(models[index - 1], models[index], models[bottom]),
+                                              drops=True),
                          bypass_schedules=calibrated(bottom, index - 1, lambda calibration: make_schedule(
                              config.schedule, config.num_draft_tokens, MAX_DRAFT_TOKENS, per_token=True,
                              verifier_costs=shared[index - 1], step_seconds=drafter_step,
-                             gate=gate if index == 1 else None, calibration=calibration)))
+                             gate=gate if index == 1 else None, calibration=calibration)),
+                         drop_drafter=parts.model_drafter(runners[index], rules, stats.levels[index], drop_schedules,
+                                                          samples, clock))
             shape_gates[index] = shape["shape_gate"]
         level = parts.intermediate(verifier, schedules[index], clock, **shape)
     top = parts.verifier(runners[0], level, rules, stats.levels[0], do_sample, clock)

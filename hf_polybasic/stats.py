@@ -41,7 +41,11 @@ class LevelStats:
             shape, one compiled graph; prompt prefills not counted); empty otherwise.
         bypassed_rounds: rounds of the level above in which this intermediate level sat out and the
             level below proposed straight to it (`hf_polybasic.schedule.ShapeGate`).
-        sat_out: why it sat out beyond measuring the chain without it (Theorem 3.2's numbers), or "".
+        dropped_rounds: rounds of the level two above in which this drafter sat out and the
+            intermediate level above it drafted on its own, straight to that level
+            (`hf_polybasic.schedule.ShapeGate`).
+        sat_out: why it sat out (bypassed or dropped) beyond measuring the chain without it (Theorem
+            3.2's or Lemma 3.1's numbers), or "".
         insertion_saving: Theorem 3.2's latest verdict on this intermediate level, from the call's
             measured costs and acceptance: the seconds per token inserting it saves (negative: what
             it costs); None before a verdict.
@@ -61,6 +65,7 @@ class LevelStats:
     runner: str = ""
     forward_widths: dict[int, int] = field(default_factory=dict)
     bypassed_rounds: int = 0
+    dropped_rounds: int = 0
     sat_out: str = ""
     insertion_saving: float | None = None
 
@@ -103,6 +108,7 @@ class LevelStats:
         self.forward_costs = other.forward_costs or self.forward_costs
         self.runner = self.runner or other.runner
         self.bypassed_rounds += other.bypassed_rounds
+        self.dropped_rounds += other.dropped_rounds
         self.sat_out = self.sat_out or other.sat_out
         self.insertion_saving = other.insertion_saving if other.insertion_saving is not None else self.insertion_saving
         for width, count in other.forward_widths.items():

@@ -1,4 +1,5 @@
-"""Which shape of the chain pays: a middle level takes part only while Theorem 3.2 says it does.
+"""Which shape of the chain pays: a middle level takes part only while Theorem 3.2 says it does,
+and the drafter below it only while the middle level drafting alone is not faster.
 
 A chain target > middle > drafter pays over target > drafter only when the middle level agrees with
 the target closely and costs little for what it adds (Theorem 3.2); whether it does depends on the
@@ -8,18 +9,33 @@ machine (each model's T(k)) and on the text (acceptance), so it is measured duri
 * the call starts with the level **in**, for `IN_ROUNDS` verifications of the level above;
 * then the drafter proposes straight to the level above for `OUT_ROUNDS` rounds: the level is
   **bypassed** (its model neither verifies nor runs; its cache catches up when it is back);
-* with both shapes measured (acceptance lengths L_i of the level above verifying the drafter,
+* where the chain allows it (``drops``), the middle level's model then drafts on its own, token by
+  token, straight to the level above for `OUT_ROUNDS` rounds: the drafter is **dropped** (it neither
+  drafts nor runs; its cache catches up when it is back), which is two-model speculative decoding
+  with the middle model as the drafter;
+* with the shapes measured (acceptance lengths L_i of the level above verifying the drafter,
   L_{i-new} verifying the middle level's blocks, L_new of the middle level verifying the drafter,
   the blocks each verifies, the drafter's forwards per verification) Theorem 3.2 with the measured
   T(k) of the models (`theory.insertion_test_with_curves`) decides the shape of the next stretch
-  of rounds, after which the other shape is probed for `PROBE_ROUNDS` and the theorem asked again;
+  of rounds between those two; the dropped shape replaces the theorem's pick when Lemma 3.1, with the
+  same T(k) and each shape's own counts read as L_i = N / F_i (tokens emitted per forward of each
+  model, `theory.polybasic_time_per_token_with_curves`), gives it fewer seconds per token. After a
+  stretch the shape measured longest ago is probed for `PROBE_ROUNDS` and the verdict taken again;
   a stretch doubles (up to `MAX_STRETCH`) while the verdict holds.
+
+A round in which a proposal was ended (or drafted on) by a schedule whose confidence calibration had
+too little evidence (`calibration.ConfidenceCalibration.calibrated`: the prior's stop, not the
+pair's) is left out of the sums, and a measuring phase runs up to `EXTRA_ROUNDS` rounds longer to
+make up for such rounds (unless they already put its shape `FAR_BEHIND` another): a verdict rests on
+the shapes as their calibrated schedules run them (a shape that has no calibrated round is judged on
+the rounds it ran, `evidence`, rather than on none).
 
 The measurements are decayed sums (recent rounds weigh more: the text changes within a call), and
 they outlive the call: a later call of the same three models (`remembered`) starts from them, in the
 shape of the last verdict, and probes the other after a first stretch, so the measuring rounds of
-short calls are paid once, not at every call. Lossless: the level above verifies whatever it is handed, and a bypassed round is two-level
-speculative decoding with the same drafter.
+short calls are paid once, not at every call. Lossless: the level above verifies whatever it is
+handed; a bypassed round is two-level speculative decoding with the same drafter, a dropped one with
+the middle model drafting (each reporting the distribution its drafts were drawn from).
 """
 
 from __future__ import annotations
@@ -32,12 +48,29 @@ from .memory import ModelMemory
 from .rates import decayed
 
 # verifications of the level above with the middle level in before the first probe without it, the
-# rounds of that probe, of later probes, and the stretches a verdict holds
+# rounds of the first measurement of each other shape, of later probes, and the stretches a verdict holds
 IN_ROUNDS = 4
 OUT_ROUNDS = 3
 PROBE_ROUNDS = 2
 FIRST_STRETCH = 12
 MAX_STRETCH = 96
+# rounds a measuring phase may add for rounds left out (a proposal cut by an uncalibrated stop),
+# unless even those rounds put its shape this many times behind the best measured one (calibrated
+# rounds would not make it win: measuring it longer only costs)
+EXTRA_ROUNDS = 6
+FAR_BEHIND = 1.5
+# where Theorem 3.2 picks the drafter proposing straight to the level above, the drafter is dropped
+# only where the middle level alone saves this share of that shape's seconds per token (and taken
+# back only where that shape saves as much): the few rounds a probe measures of a sloppy drafter swing
+# its estimate by a fifth (three rounds without an accepted draft are a coin toss at a quarter's
+# first-token acceptance), and where the shapes are that close the user's drafter goes first. Against
+# the middle level in, whose blocks the level above judges as it would the middle level's drafts, the
+# fewer seconds per token decide
+DROP_MARGIN = 0.25
+
+# the shapes: the middle level in; bypassed (the drafter proposes to the level above); the drafter
+# dropped (the middle level drafts on its own to the level above)
+IN, BYPASSED, DROPPED = "in", "bypassed", "dropped"
 
 
 @dataclass
@@ -50,7 +83,7 @@ class ShapeSums:
     middle_verifications: float = 0.0
     middle_emitted: float = 0.0
     middle_drafted: float = 0.0
-    drafter_forwards: float = 0.0
+    drafter_forwards: float = 0.0  # forwards of the model that drafted (the middle one, dropped)
 
     def add(self, rows: int, emitted: int, drafted: int, drafter_forwards: int,
             middle: tuple[int, int, int] = (0, 0, 0)) -> None:
@@ -83,69 +116,193 @@ remembered = _Memory()
 
 
 class ShapeGate:
-    """Whether a middle level is bypassed this round (see the module docstring).
+    """The shape of the chain around a middle level this round (see the module docstring).
 
     Args:
         costs: ``(above, middle, drafter)``, each ``seconds(k)`` for a forward scoring k tokens (the
             call's cost estimates, `hf_polybasic.costs.CostEstimate`).
+        models: ``(above, middle, drafter)``, the key of what the gate learned for later calls.
+        drops: the chain can drop the drafter (the middle level drafts on its own): three shapes.
 
     Attributes:
-        bypassed_rounds: rounds the level sat out.
+        shape: `IN`, `BYPASSED` or `DROPPED`, this round's.
+        bypassed_rounds: rounds the middle level sat out; dropped_rounds: rounds the drafter did.
+        probe_rounds: per shape, its rounds while the gate measured it (not run on a verdict).
         verdict: the latest `theory.CurveInsertionVerdict` (None before the first).
+        times: per measured shape, Lemma 3.1's seconds per token at the latest verdict.
         decisions: how many times the theorem was asked.
     """
 
     def __init__(self, costs: tuple[Callable[[float], float], Callable[[float], float], Callable[[float], float]],
-                 models: tuple | None = None):
+                 models: tuple | None = None, drops: bool = False):
         self.costs, self.models = costs, models
-        self.inside, self.outside = ShapeSums(), ShapeSums()
-        self.bypassed = False
+        self.shapes = (IN, BYPASSED, DROPPED) if drops else (IN, BYPASSED)
+        self.sums = {shape: ShapeSums() for shape in self.shapes}
+        self.uncalibrated = {shape: ShapeSums() for shape in self.shapes}  # rounds left out, for `evidence`
+        self.shape = IN
         self._left = IN_ROUNDS  # rounds of the current phase still to go
         self._probing = True  # the current phase measures a shape before a verdict
+        self._extended = 0  # rounds the current phase added for rounds left out
         self._stretch = FIRST_STRETCH
-        self._previous: bool | None = None  # the verdict before the latest
+        self._previous: str | None = None  # the verdict before the latest
+        self._visited = {IN}  # shapes measured in this call
+        self._last = dict.fromkeys(self.shapes, -1)  # the round each shape last ran in
+        self._round = 0
         known = None if models is None else remembered.get(models)
-        if known is not None:  # a later call of the same chain: the last verdict's shape, for a first stretch
-            self.inside, self.outside = copy.copy(known["inside"]), copy.copy(known["outside"])
-            self._previous = known["pays"]
-            self.bypassed, self._left, self._probing = not known["pays"], FIRST_STRETCH, False
-        self.bypassed_rounds = 0
+        if known is not None and known["shape"] in self.shapes:
+            # a later call of the same chain: the last verdict's shape, for a first stretch
+            for shape, sums in known["sums"].items():
+                if shape in self.sums:
+                    self.sums[shape] = copy.copy(sums)
+            self._previous = known["shape"]
+            self.shape, self._left, self._probing = known["shape"], FIRST_STRETCH, False
+            self._visited = {shape for shape in self.shapes if self.sums[shape].rounds > 0} | {self.shape}
+            self._round = known["round"]
+            self._last.update({shape: last for shape, last in known["last"].items() if shape in self._last})
+        self.bypassed_rounds = self.dropped_rounds = 0
+        self.probe_rounds = dict.fromkeys(self.shapes, 0)
         self.verdict = None
+        self.times: dict[str, float] = {}
         self.decisions = 0
 
+    # the two shapes of today's gate by their old names (a middle level in or bypassed)
+    @property
+    def bypassed(self) -> bool:
+        return self.shape == BYPASSED
+
+    @bypassed.setter
+    def bypassed(self, value: bool) -> None:
+        self.shape = BYPASSED if value else IN
+
+    @property
+    def drops(self) -> bool:
+        """Whether the drafter is dropped this round (the middle level drafts on its own)."""
+        return self.shape == DROPPED
+
+    @property
+    def inside(self) -> ShapeSums:
+        return self.sums[IN]
+
+    @property
+    def outside(self) -> ShapeSums:
+        return self.sums[BYPASSED]
+
+    @property
+    def direct(self) -> ShapeSums:
+        """The dropped shape's sums (the middle level drafting straight to the level above)."""
+        return self.sums[DROPPED]
+
     def observe(self, rows: int, emitted: int, drafted: int, drafter_forwards: int,
-                middle: tuple[int, int, int] = (0, 0, 0)) -> None:
+                middle: tuple[int, int, int] = (0, 0, 0), uncalibrated: bool = False) -> None:
         """One verification by the level above in the current shape, of ``rows`` rows: the tokens it
-        emitted and verified, the drafter's forwards for it, and (in) the middle level's
-        verifications, emitted and verified tokens for it. Moves to the next phase when this one is over."""
-        if self.bypassed:
-            self.outside.add(rows, emitted, drafted, drafter_forwards)
+        emitted and verified, the forwards of the model that drafted for it (the drafter; dropped: the
+        middle one), (in) the middle level's verifications, emitted and verified tokens for it, and
+        whether a schedule whose calibration had too little evidence set where a proposal of the
+        round ended (then the round is not counted). Moves to the next phase when this one is over."""
+        self._round += 1
+        self._last[self.shape] = self._round
+        if self.shape == BYPASSED:
             self.bypassed_rounds += 1
-        elif middle[0] > 0:  # rounds where the middle level proposed nothing tell nothing about it
-            self.inside.add(rows, emitted, drafted, drafter_forwards, middle)
+        elif self.shape == DROPPED:
+            self.dropped_rounds += 1
+        if self._probing:
+            self.probe_rounds[self.shape] += 1
+        # rounds where the middle level proposed nothing tell nothing about it (in)
+        counted = self.shape != IN or middle[0] > 0
+        if counted and not uncalibrated:
+            self.sums[self.shape].add(rows, emitted, drafted, drafter_forwards,
+                                      middle if self.shape == IN else (0, 0, 0))
+        elif counted:
+            self.uncalibrated[self.shape].add(rows, emitted, drafted, drafter_forwards,
+                                              middle if self.shape == IN else (0, 0, 0))
+            if self._probing and self._extended < EXTRA_ROUNDS and not self._far_behind():
+                self._extended += 1  # a measuring phase makes up for the round it could not count
+                return
         self._left -= 1
         if self._left > 0:
             return
-        if not self._probing:  # a stretch is over: probe the other shape
-            self.bypassed, self._left, self._probing = not self.bypassed, PROBE_ROUNDS, True
+        self._extended = 0
+        if not self._probing:  # a stretch is over: probe the shape measured longest ago
+            self._enter(self._stalest(), PROBE_ROUNDS, probing=True)
             return
-        if self.outside.rounds == 0 and not self.bypassed:  # the first phase is over: measure without it
-            self.bypassed, self._left = True, OUT_ROUNDS
+        unmeasured = [shape for shape in self.shapes if shape not in self._visited]
+        if unmeasured:  # the first measurements: each shape once
+            self._enter(unmeasured[0], OUT_ROUNDS, probing=True)
             return
-        pays = self.middle_pays()
-        self._stretch = min(2 * self._stretch, MAX_STRETCH) if pays == self._previous else FIRST_STRETCH
-        self._previous = pays
+        shape = self.decide()
+        self._stretch = min(2 * self._stretch, MAX_STRETCH) if shape == self._previous else FIRST_STRETCH
+        self._previous = shape
         if self.models is not None:
-            remembered.put(self.models, {"inside": copy.copy(self.inside), "outside": copy.copy(self.outside),
-                                         "pays": pays})
-        self.bypassed, self._left, self._probing = not pays, self._stretch, False
+            remembered.put(self.models, {"sums": {s: copy.copy(sums) for s, sums in self.sums.items()}, "shape": shape,
+                                         "round": self._round, "last": dict(self._last)})
+        self._enter(shape, self._stretch, probing=False)
+
+    def evidence(self, shape: str) -> ShapeSums:
+        """A shape's sums for a verdict: its calibrated rounds, or where it has none, the rounds left
+        out (a shape is never judged on no rounds when it ran)."""
+        sums = self.sums[shape]
+        return sums if sums.rounds > 0 else self.uncalibrated[shape]
+
+    def _enter(self, shape: str, rounds: int, probing: bool) -> None:
+        self.shape, self._left, self._probing = shape, rounds, probing
+        self._visited.add(shape)
+
+    def _far_behind(self) -> bool:
+        """Whether this shape's rounds so far (counted or not) put it `FAR_BEHIND` the best other shape."""
+        mine = self.seconds_per_token(self.shape)
+        others = [t for shape in self.shapes
+                  if shape != self.shape and (t := self.seconds_per_token(shape)) is not None]
+        return mine is not None and bool(others) and mine > FAR_BEHIND * min(others)
+
+    def _stalest(self) -> str:
+        """The shape other than this one that ran longest ago (never measured first)."""
+        others = [shape for shape in self.shapes if shape != self.shape]
+        return min(others, key=lambda shape: (self.sums[shape].rounds > 0, self._last[shape]))
+
+    def decide(self) -> str:
+        """The shape of the next stretch: in or bypassed by Theorem 3.2 (`middle_pays`), then the
+        dropped shape instead where Lemma 3.1 gives it fewer seconds per token (`seconds_per_token`;
+        against the bypassed shape, by `DROP_MARGIN` both ways)."""
+        shape = IN if self.middle_pays() else BYPASSED
+        self.times = {s: t for s in self.shapes if (t := self.seconds_per_token(s)) is not None}
+        if DROPPED in self.times:
+            alone, chained = self.times[DROPPED], self.times.get(shape, float("inf"))
+            # against the drafter proposing straight to the level above (its few probe rounds are noisy),
+            # the shape of the last verdict stays unless the other saves DROP_MARGIN
+            margin = DROP_MARGIN if shape == BYPASSED else 0.0
+            if (alone < (1 - margin) * chained if self._previous != DROPPED
+                    else not chained < (1 - margin) * alone):
+                shape = DROPPED
+        return shape
+
+    def seconds_per_token(self, shape: str) -> float | None:
+        """Lemma 3.1 with the measured T(k) on a shape's decayed sums, each L_i read as N / F_i
+        (tokens the level above emitted per forward of each model: exact when the curves are); None
+        when the shape was not measured."""
+        from ..planning.theory import polybasic_time_per_token_with_curves  # (the planning package imports the chain)
+
+        sums = self.evidence(shape)
+        above, middle, drafter = self.costs
+        if sums.rounds == 0 or sums.emitted == 0:
+            return None
+        if shape == IN:
+            if sums.middle_verifications == 0:
+                return None
+            return polybasic_time_per_token_with_curves(
+                (above, middle, drafter), (sums.emitted / sums.rounds, sums.emitted / sums.middle_verifications),
+                (sums.drafted / sums.rounds, sums.middle_drafted / sums.middle_verifications),
+                sums.drafter_forwards / sums.middle_verifications)
+        below = drafter if shape == BYPASSED else middle
+        return polybasic_time_per_token_with_curves(
+            (above, below), (sums.emitted / sums.rounds,), (sums.drafted / sums.rounds,),
+            sums.drafter_forwards / sums.rounds)
 
     def middle_pays(self) -> bool:
         """Theorem 3.2 with the measured T(k): does the middle level shorten the time per token? No
         when it never proposed (no evidence that it pays); yes when the bypassed shape was never
         measured."""
         self.decisions += 1
-        inside, outside = self.inside, self.outside
+        inside, outside = self.evidence(IN), self.evidence(BYPASSED)
         if inside.rounds == 0 or inside.middle_verifications == 0:
             return False
         if outside.rounds == 0:
@@ -163,6 +320,17 @@ class ShapeGate:
             block_new=inside.middle_drafted / verifications_in,
         )
         return self.verdict.helps
+
+    def describe_drop(self) -> str:
+        """Why the drafter sat out, in words, for the statistics and the warning."""
+        alone = self.times.get(DROPPED)
+        with_it = {shape: self.times[shape] for shape in (IN, BYPASSED) if shape in self.times}
+        if alone is None or not with_it:
+            return "the middle level drafted on its own"
+        best = min(with_it, key=with_it.get)
+        chain = "through the middle level" if best == IN else "straight to the level above"
+        return (f"Lemma 3.1 with the measured T(k): the middle level drafting on its own costs {1e3 * alone:.3g} "
+                f"ms per token, the drafter proposing {chain} {1e3 * with_it[best]:.3g} ms")
 
     def describe(self) -> str:
         """The latest verdict in words, for the statistics and the warning."""
