@@ -22,7 +22,8 @@ topic:
 * models: `accepts_logits_to_keep`, `is_stateful`;
 * generate: `streamer_of_calling_generate` (the caller's frame), `prepared_pad_token_id`
   (``GenerationConfig._pad_token_tensor``), `mark_as_user_config` (``_from_model_config``);
-* loading: `detach_gguf_quantizer` (``hf_quantizer`` of a model dequantized from GGUF);
+* loading: `gguf_tensors` (transformers' GGUF reader: its dequantization, tensor processors and
+  name map, ``transformers.modeling_gguf_pytorch_utils``, one tensor at a time);
 * logits processors: `shift_positions` (the attributes that hold absolute positions),
   `processor_for_row` (the attributes that hold the whole batch's prompts or call the user per row),
   `processor_on_device` (the tensors a processor holds),
@@ -553,13 +554,54 @@ def is_stateful(model) -> bool:
     return bool(getattr(model, "_is_stateful", False))
 
 
-def detach_gguf_quantizer(model) -> None:
-    """Make a model loaded from a GGUF file saveable: transformers keeps its GGUF quantizer attached
-    to the dequantized model (``hf_quantizer``, ``config.quantization_config``) and then refuses to
-    serialize it, although the weights are plain tensors by then."""
-    model.hf_quantizer = None
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
+def gguf_tensors(gguf_path, model, after_each=None):
+    """``(name, float32 tensor)`` for each weight of ``model`` stored in the GGUF file ``gguf_path``,
+    one at a time: what ``from_pretrained(..., gguf_file=...)`` loads (transformers'
+    ``load_gguf_checkpoint`` with ``return_tensors=True``: gguf's ``dequantize``, transformers'
+    tensor processor for the architecture, its GGUF-to-transformers name map), without collecting
+    the whole dequantized state dict, and without loading the model: ``model`` only gives the names
+    and may live on the meta device. ``after_each(data)`` is called with each GGUF tensor's raw data
+    (a view of the memory-mapped file) once its weight has been used, e.g. to give its pages back.
+
+    The weights a tensor processor gathers itself over several GGUF tensors (the experts of a
+    mixture of experts) come last, once complete."""
+    import numpy as np
+    from gguf import GGUFReader, dequantize
+    from transformers.modeling_gguf_pytorch_utils import (
+        TENSOR_PROCESSORS,
+        TensorProcessor,
+        get_gguf_hf_weights_map,
+        load_gguf_checkpoint,
+        read_field,
+    )
+
+    parsed = load_gguf_checkpoint(str(gguf_path), return_tensors=False)  # the metadata only
+    parsed["tensors"] = {}
+    reader = GGUFReader(str(gguf_path))
+    architecture = read_field(reader, "general.architecture")[0]
+    processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=parsed["config"])
+    names = get_gguf_hf_weights_map(model, processor)
+    for info in reader.tensors:
+        result = processor.process(
+            weights=dequantize(info.data, info.tensor_type),
+            name=info.name,
+            tensor_key_mapping=names,
+            parsed_parameters=parsed,
+        )
+        weights, name = result.weights, result.name
+        del result
+        if name in names:
+            if not (weights.flags.writeable and weights.flags.c_contiguous):  # a view of the file
+                weights = np.copy(weights)
+            tensor = torch.from_numpy(weights).to(torch.float32)
+            del weights
+            yield names[name], tensor
+            del tensor
+        else:
+            del weights
+        if after_each is not None:
+            after_each(info.data)
+    yield from parsed.pop("tensors").items()
 
 
 # --- generate -------------------------------------------------------------------------------------

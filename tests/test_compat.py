@@ -341,13 +341,26 @@ def test_logits_to_keep_and_statefulness():
     assert compat.is_stateful(Recurrent())
 
 
-def test_a_gguf_quantizer_is_detached_so_the_model_saves(tmp_path):
-    model = make_target("llama", seed=1)
-    model.hf_quantizer = object()
-    model.config.quantization_config = {"quant_method": "gguf"}
-    compat.detach_gguf_quantizer(model)
-    assert model.hf_quantizer is None and not hasattr(model.config, "quantization_config")
-    model.save_pretrained(tmp_path)
+def test_gguf_tensors_are_what_transformers_loads_from_the_gguf(tmp_path):
+    pytest.importorskip("gguf")
+    from test_models import write_tiny_gguf
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path)  # a llama: its q and k weights are permuted back on the way
+    config = AutoConfig.from_pretrained(tmp_path, gguf_file=path.name)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    pages = []
+    streamed = {}
+    for name, tensor in compat.gguf_tensors(path, model, after_each=pages.append):
+        assert len(pages) == len(streamed)  # the previous GGUF tensor was handed on before this one came
+        streamed[name] = tensor
+    whole = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=model)["tensors"]
+    assert streamed.keys() == whole.keys() and len(pages) == len(whole)
+    for name, tensor in whole.items():
+        assert streamed[name].dtype == torch.float32 and torch.equal(streamed[name], tensor.float()), name
 
 
 # --- generate ----------------------------------------------------------------------------------------

@@ -138,6 +138,11 @@ def test_release_file_pages_never_touches_anonymous_memory_and_keeps_file_data(t
     assert float(mapped.sum()) == float(values.sum())  # pages resident
     assert loading.release_file_pages(mapped)
     assert torch.equal(mapped, torch.from_numpy(values))  # read again from the file, unchanged
+    array = np.memmap(path, dtype=np.float32, mode="r")  # a numpy view of a file (a GGUF tensor's data)
+    assert float(array.sum()) == float(values.sum())
+    assert loading.release_file_pages(array) and np.array_equal(array, values)
+    assert not loading.release_file_pages(values)  # anonymous numpy memory is never touched
+    assert loading.release_freed_heap() in (True, False)  # glibc's malloc_trim, or nothing
 
 
 def test_the_costs_command_measures_every_variant_and_writes_its_table(tmp_path):

