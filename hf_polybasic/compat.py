@@ -580,7 +580,9 @@ def gguf_tensors(gguf_path, model, after_each=None):
     reader = GGUFReader(str(gguf_path))
     architecture = read_field(reader, "general.architecture")[0]
     processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=parsed["config"])
-    names = get_gguf_hf_weights_map(model, processor)
+    # 4.57 maps names without the processor (it has no processor argument); later releases take it
+    takes_processor = "processor" in inspect.signature(get_gguf_hf_weights_map).parameters
+    names = get_gguf_hf_weights_map(model, processor) if takes_processor else get_gguf_hf_weights_map(model)
     for info in reader.tensors:
         result = processor.process(
             weights=dequantize(info.data, info.tensor_type),
