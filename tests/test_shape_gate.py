@@ -173,27 +173,39 @@ def test_a_cheap_middle_level_that_agrees_closely_takes_part(monkeypatch):
 
 
 # --- bypassed rounds are exact ---------------------------------------------------------------------------
-@pytest.fixture
-def bypass_early(monkeypatch):
-    """Every gate starts with its middle level bypassed (the distribution tests' samples are 3 tokens
-    long, shorter than the first phase), and the batch of samples proposes from its first round."""
+def _every_gate_starts(monkeypatch, shape: str) -> None:
+    """Every gate starts in ``shape`` (the distribution tests' samples are 3 tokens long, shorter than
+    the first phase), and the batch of samples proposes from its first round."""
     start = ShapeGate.__init__
 
-    def bypassed_at_once(self, *args, **kwargs):
+    def at_once(self, *args, **kwargs):
         start(self, *args, **kwargs)
-        self.bypassed, self._left = True, OUT_ROUNDS
+        self.shape, self._left = shape, OUT_ROUNDS
 
-    monkeypatch.setattr(ShapeGate, "__init__", bypassed_at_once)
+    monkeypatch.setattr(ShapeGate, "__init__", at_once)
     monkeypatch.setattr(batch_gate, "PLAIN_FIRST_ROUNDS", 0)
 
 
-def _sampled_through_a_bypassed_middle(distribution_models, seed: int = 23):
+def _sampled(distribution_models, shape_rounds: str, seed: int = 23):
+    """Sampled counts and statistics of [middle, drafter] on a machine where drafting pays; the
+    statistic ``shape_rounds`` (bypassed_rounds of the middle level or dropped_rounds of the drafter)
+    shows the shape ran."""
     target, *assistants = distribution_models[:3]
     with simulated_machine(cheap_drafting_costs(target, assistants)) as generate:
         counts, stats = sample_counts(target, "temperature+top_k+top_p", assistants, seed=seed, generate=generate,
                                       block_threshold=2)
-    assert stats.levels[1].bypassed_rounds > 0
+    level = 1 if shape_rounds == "bypassed_rounds" else 2
+    assert getattr(stats.levels[level], shape_rounds) > 0
     return counts, stats
+
+
+@pytest.fixture
+def bypass_early(monkeypatch):
+    _every_gate_starts(monkeypatch, BYPASSED)
+
+
+def _sampled_through_a_bypassed_middle(distribution_models, seed: int = 23):
+    return _sampled(distribution_models, "bypassed_rounds", seed)
 
 
 def test_bypassed_rounds_sample_the_target_distribution(bypass_early, distribution_models, exact_distribution):
@@ -374,24 +386,11 @@ def test_the_default_given_middle_and_drafter_is_about_as_fast_as_the_best_chain
 # --- dropped rounds are exact ----------------------------------------------------------------------------
 @pytest.fixture
 def drop_early(monkeypatch):
-    """Every gate starts with its drafter dropped, and the batch of samples proposes from its first round."""
-    start = ShapeGate.__init__
-
-    def dropped_at_once(self, *args, **kwargs):
-        start(self, *args, **kwargs)
-        self.shape, self._left = DROPPED, OUT_ROUNDS
-
-    monkeypatch.setattr(ShapeGate, "__init__", dropped_at_once)
-    monkeypatch.setattr(batch_gate, "PLAIN_FIRST_ROUNDS", 0)
+    _every_gate_starts(monkeypatch, DROPPED)
 
 
 def _sampled_with_the_drafter_dropped(distribution_models, seed: int = 23):
-    target, *assistants = distribution_models[:3]
-    with simulated_machine(cheap_drafting_costs(target, assistants)) as generate:
-        counts, stats = sample_counts(target, "temperature+top_k+top_p", assistants, seed=seed, generate=generate,
-                                      block_threshold=2)
-    assert stats.levels[2].dropped_rounds > 0
-    return counts, stats
+    return _sampled(distribution_models, "dropped_rounds", seed)
 
 
 def test_dropped_rounds_sample_the_target_distribution(drop_early, distribution_models, exact_distribution):
