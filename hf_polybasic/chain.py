@@ -238,35 +238,36 @@ class IntermediateLevel(ScheduledRows):
         return self.drop_drafter.propose(requests)
 
     def verified(self, kept: dict[int, int], seconds: float) -> None:
-        emitted = sum(kept.values()) + len(kept)
-        if self._bypassing:  # the drafter's round under the level above: it learns, rolls back under the lent schedules
-            child = self.verifier.child
-            child.verified(kept, seconds)
-            child.schedules, self._bypassing = self._own_schedules, False
-            changed = [now - then for now, then in zip(self._counts(), self._before)]
-            self.shape_gate.observe(len(kept), emitted, sum(child._proposed[r] for r in kept), changed[3], (0, 0, 0),
-                                    changed[5] > 0)
+        """The level above kept ``kept`` of this round's proposal: whoever proposed learns and rolls
+        back (the drafter under the lent schedules when bypassed, this level's model as a drafter when
+        the drafter was dropped, else this level), and the shape gate is told what the round took."""
+        if self._bypassing:
+            proposer, shape = self.verifier.child, BYPASSED
+            proposer.verified(kept, seconds)
+            proposer.schedules = self._own_schedules
+        elif self._dropping:
+            proposer, shape = self.drop_drafter, DROPPED
+            proposer.verified(kept, seconds)
+        else:
+            proposer, shape = self, None
+            super().verified(kept, seconds)
+        self._bypassing = self._dropping = False
+        if self.shape_gate is None:
             return
-        if self._dropping:  # this level's model drafted on its own: it learns and rolls back as a drafter
-            self.drop_drafter.verified(kept, seconds)
-            self._dropping = False
-            changed = [now - then for now, then in zip(self._counts(), self._before)]
-            self.shape_gate.observe(len(kept), emitted, sum(self.drop_drafter._proposed[r] for r in kept), changed[4],
-                                    (0, 0, 0), changed[5] > 0)
-            return
-        super().verified(kept, seconds)
-        if self.shape_gate is not None:
-            verifications, drafted, accepted, forwards, _, stops = (
-                now - then for now, then in zip(self._counts(), self._before))
-            self.shape_gate.observe(len(kept), emitted, sum(self._proposed[r] for r in kept), forwards,
-                                    (verifications, accepted + verifications, drafted), stops > 0)
+        verifications, drafted, accepted, drafter_forwards, own_forwards, stops = (
+            now - then for now, then in zip(self._counts(), self._before))
+        # the forwards of the model that drafted, and (in) what the middle level's own rounds did
+        forwards, middle = {BYPASSED: (drafter_forwards, (0, 0, 0)), DROPPED: (own_forwards, (0, 0, 0))}.get(
+            shape, (drafter_forwards, (verifications, accepted + verifications, drafted)))
+        self.shape_gate.observe(len(kept), sum(kept.values()) + len(kept), sum(proposer._proposed[r] for r in kept),
+                                forwards, middle, stops > 0)
 
     def propose(self, requests: dict[int, tuple[torch.LongTensor, int]]) -> dict[int, Proposal]:
         if self.shape_gate is not None:
             self._before = self._counts()
             if self.shape_gate.bypassed:
                 return self._bypass(requests)
-            if self.shape_gate.drops:
+            if self.shape_gate.dropped:
                 return self._drop(requests)
         blocks, thresholds, building = {}, {}, []
         for row, (sequence, budget) in requests.items():
@@ -326,15 +327,15 @@ class ChainParts:
     verifier: type = Verifier
 
 
-_warned_sat_out: set[tuple[str, str]] = set()
+_warned_sat_out: set[tuple[str, bool]] = set()
 
 
 def _warn_sat_out(name: str, reason: str, dropped: bool = False) -> None:
     """Once per level kind and way: a level the user passed sat out most of a call (a middle level
     bypassed, or the drafter ``dropped`` while the level above it drafted alone)."""
     kind = name.split(" ", 1)[-1]
-    if (kind, str(dropped)) not in _warned_sat_out:
-        _warned_sat_out.add((kind, str(dropped)))
+    if (kind, dropped) not in _warned_sat_out:
+        _warned_sat_out.add((kind, dropped))
         how = ("The level above it drafted on its own; polybasic_stats says in how many rounds (dropped_rounds)"
                if dropped else
                "Its drafts went straight to the level above; polybasic_stats says in how many rounds (bypassed_rounds)")

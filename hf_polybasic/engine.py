@@ -132,7 +132,6 @@ class HostStops:
     def of(cls, criteria: StoppingCriteriaList) -> HostStops | None:
         """The host's version of ``criteria``, or None when one of them must see the device's tensors."""
         max_lengths, eos, deadlines = [], set(), []
-        host = cls(max_lengths, frozenset(), deadlines)
         for criterion in criteria:
             kind = type(criterion)
             if kind is MaxLengthCriteria:
@@ -142,11 +141,8 @@ class HostStops:
             elif kind is MaxTimeCriteria:
                 deadlines.append((criterion.initial_timestamp, criterion.max_time))
             else:
-                host = None
-                break
-        if host is not None:
-            host.eos = frozenset(eos)
-        return host
+                return None
+        return cls(max_lengths, frozenset(eos), deadlines)
 
     def first_stop(self, length: int, ids: list[int]) -> int | None:
         """How many of ``ids`` (a round's tokens after a prefix of ``length``) to keep: up to the first

@@ -188,8 +188,8 @@ def _every_gate_starts(monkeypatch, shape: str) -> None:
 
 def _sampled(distribution_models, shape_rounds: str, seed: int = 23):
     """Sampled counts and statistics of [middle, drafter] on a machine where drafting pays; the
-    statistic ``shape_rounds`` (bypassed_rounds of the middle level or dropped_rounds of the drafter)
-    shows the shape ran."""
+    statistic ``shape_rounds`` ("bypassed_rounds" of the middle level or "dropped_rounds" of the
+    drafter) shows the shape ran."""
     target, *assistants = distribution_models[:3]
     with simulated_machine(cheap_drafting_costs(target, assistants)) as generate:
         counts, stats = sample_counts(target, "temperature+top_k+top_p", assistants, seed=seed, generate=generate,
@@ -204,12 +204,8 @@ def bypass_early(monkeypatch):
     _every_gate_starts(monkeypatch, BYPASSED)
 
 
-def _sampled_through_a_bypassed_middle(distribution_models, seed: int = 23):
-    return _sampled(distribution_models, "bypassed_rounds", seed)
-
-
 def test_bypassed_rounds_sample_the_target_distribution(bypass_early, distribution_models, exact_distribution):
-    counts, stats = _sampled_through_a_bypassed_middle(distribution_models)
+    counts, stats = _sampled(distribution_models, "bypassed_rounds")
     target, middle, drafter = stats.levels
     # the drafter's samples went straight to the target, which accepted some and rejected some
     assert drafter.proposed > 0 and 0 < target.accepted < target.drafted and middle.verifications == 0
@@ -228,7 +224,7 @@ def test_negative_control_a_bypass_that_reports_the_wrong_positions_distribution
                 for row, p in bypass(self, requests).items()}
 
     monkeypatch.setattr(IntermediateLevel, "_bypass", shifted)
-    counts, _ = _sampled_through_a_bypassed_middle(distribution_models)
+    counts, _ = _sampled(distribution_models, "bypassed_rounds")
     assert chi_square_p_value(counts, exact_distribution("temperature+top_k+top_p")) < ALPHA
 
 
@@ -253,7 +249,7 @@ def test_a_gate_that_can_drop_the_drafter_measures_the_three_shapes_then_picks_b
     shapes = _feed3(gate, IN_ROUNDS + 2 * OUT_ROUNDS + 1, inside=(3, 2, 4, (2, 3, 4)), outside=(1, 3, 3),
                     direct=(9, 8, 8))
     assert shapes[: IN_ROUNDS + 2 * OUT_ROUNDS] == [IN] * IN_ROUNDS + [BYPASSED] * OUT_ROUNDS + [DROPPED] * OUT_ROUNDS
-    assert gate.decisions == 1 and gate.drops and shapes[-1] == DROPPED
+    assert gate.decisions == 1 and gate.dropped and shapes[-1] == DROPPED
     # Lemma 3.1 on each shape's counts: (1 + 8 * 0.3) / 9 alone against (1 + 2 * 0.3 + 4 * 0.02) / 3 through
     # it (which Theorem 3.2 prefers to the drafter alone): more than DROP_MARGIN less
     assert gate.times[DROPPED] == pytest.approx(3.4 / 9) and gate.times[IN] == pytest.approx(1.68 / 3)
@@ -262,7 +258,7 @@ def test_a_gate_that_can_drop_the_drafter_measures_the_three_shapes_then_picks_b
     shapes = _feed3(gate, FIRST_STRETCH - 1 + PROBE_ROUNDS, inside=(3, 2, 4, (2, 3, 4)), outside=(1, 3, 3),
                     direct=(9, 8, 8))
     assert shapes == [DROPPED] * (FIRST_STRETCH - 1) + [IN] * PROBE_ROUNDS
-    assert gate.decisions == 2 and gate.drops and gate.dropped_rounds == OUT_ROUNDS + FIRST_STRETCH
+    assert gate.decisions == 2 and gate.dropped and gate.dropped_rounds == OUT_ROUNDS + FIRST_STRETCH
     assert gate.probe_rounds[DROPPED] == OUT_ROUNDS
 
 
@@ -389,12 +385,8 @@ def drop_early(monkeypatch):
     _every_gate_starts(monkeypatch, DROPPED)
 
 
-def _sampled_with_the_drafter_dropped(distribution_models, seed: int = 23):
-    return _sampled(distribution_models, "dropped_rounds", seed)
-
-
 def test_dropped_rounds_sample_the_target_distribution(drop_early, distribution_models, exact_distribution):
-    counts, stats = _sampled_with_the_drafter_dropped(distribution_models)
+    counts, stats = _sampled(distribution_models, "dropped_rounds")
     target, middle, drafter = stats.levels
     # the middle level's samples went straight to the target, which accepted some and rejected some
     assert middle.proposed > 0 and 0 < target.accepted < target.drafted
@@ -413,5 +405,5 @@ def test_negative_control_a_drop_that_reports_the_wrong_positions_distribution(
                 for row, p in drop(self, requests).items()}
 
     monkeypatch.setattr(IntermediateLevel, "_drop", shifted)
-    counts, _ = _sampled_with_the_drafter_dropped(distribution_models)
+    counts, _ = _sampled(distribution_models, "dropped_rounds")
     assert chi_square_p_value(counts, exact_distribution("temperature+top_k+top_p")) < ALPHA

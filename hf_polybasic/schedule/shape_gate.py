@@ -175,7 +175,7 @@ class ShapeGate:
         self.shape = BYPASSED if value else IN
 
     @property
-    def drops(self) -> bool:
+    def dropped(self) -> bool:
         """Whether the drafter is dropped this round (the middle level drafts on its own)."""
         return self.shape == DROPPED
 
