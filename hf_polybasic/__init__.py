@@ -18,7 +18,7 @@ To choose the chain, K and mu from measurements, profile a pool and plan::
 
 from . import drafters, levels
 from .config import PolybasicConfig
-from .integration import PolybasicGenerateOutput, disable, enable, generate, last_stats
+from .generation import PolybasicGenerateOutput, disable, enable, generate, last_stats
 from .levels import restricted_vocabulary
 from .planning import Plan, Profile, plan, profile
 from .stats import LevelStats, PolybasicStats

@@ -10,7 +10,7 @@ topic:
   their past hand attention only their window: transformers >= 5.18, checked on a tiny layer)
   (cache layer classes and their ``keys``, ``values``, ``cumulative_length``, ``is_initialized``,
   ``record_past`` fields; ``crop``'s argument; what a recording sliding layer's ``update`` returns);
-* recurrent state (hybrid models, for `hf_polybasic.recurrent`, transformers >= 5.15):
+* recurrent state (hybrid models, for `hf_polybasic.runners.recurrent`, transformers >= 5.15):
   `is_recurrent_cache_layer`, `recurrent_layer_indices`, `read_recurrent_state`,
   `write_recurrent_state`, `trim_conv_states`, `tracks_length`, `holds_recurrent_state`,
   `cached_tokens`, `continues_state_over_several_tokens` (the ``conv_states``,
@@ -30,7 +30,7 @@ topic:
   `decoding_processors` and `resolved_decoding` (the processors and defaults `generate` builds, for
   the planner, which scores without calling `generate`);
 * torch: `onednn_supports`, `onednn_pack_weight`, `onednn_linear` (oneDNN's prepacked linear,
-  private ops of ``torch.ops.mkldnn``, for `hf_polybasic.cpu`).
+  private ops of ``torch.ops.mkldnn``, for `hf_polybasic.models.packed`).
 
 Tests: ``tests/test_compat.py`` checks each function against the behaviour it stands for; the
 greedy-equality tests (sliding windows), streamer, batch and save/reload tests cover the rest.
@@ -274,7 +274,7 @@ def remove_last_tokens(cache, count: int) -> None:
     Full layers use the public ``crop(-count)``. A sliding layer is trimmed by hand
     (``keys``/``values``/``cumulative_length``), because its ``crop`` also restricts it to the window,
     after which an intermediate level could no longer roll back over several rounds. The recurrent
-    and convolution state of a linear-attention layer is left alone (`hf_polybasic.recurrent` puts
+    and convolution state of a linear-attention layer is left alone (`hf_polybasic.runners.recurrent` puts
     it back); only the attention part of a layer holding both is cut.
     """
     if count <= 0:
@@ -313,7 +313,7 @@ def gather_slots(cache, index: torch.LongTensor) -> None:
     ``index[b, j]`` (``[batch, new slots]``). Full-attention layers (``keys``/``values``
     ``[B, H, S, D]``) and DeepSeek-style indexed layers (also ``indexer_keys`` ``[B, S, D]`` and
     ``indexer_position_ids`` ``[P, B, S]``); a layer that stores nothing (KV sharing) is skipped;
-    any other kind raises (its batches are decoded row by row, `hf_polybasic.probe.rows_problem`)."""
+    any other kind raises (its batches are decoded row by row, `hf_polybasic.runners.probe.rows_problem`)."""
     for number, layer in enumerate(cache.layers):
         if not getattr(layer, "is_initialized", False) or getattr(layer, "keys", None) is None:
             continue
@@ -341,7 +341,7 @@ def _gather_along(tensor: torch.Tensor, index: torch.LongTensor, dim: int) -> to
     return tensor.gather(dim, expanded)
 
 
-# --- static caches (hf_polybasic.static) -------------------------------------------------------------
+# --- static caches (hf_polybasic.runners.static) -------------------------------------------------------------
 # A static runner's cache is a transformers `Cache` of layers of its own (`CacheLayerMixin`, whose
 # abstract methods differ between releases: the layer implements every name any release asks for),
 # so that models call ``update`` on it as on any cache. Both base classes exist from 4.56 on.
@@ -406,7 +406,7 @@ def holds_recurrent_state(cache) -> bool:
     )
 
 
-# Layer kinds (`hf_polybasic.recurrent.LayerKind.key`) whose transformers code does not continue a
+# Layer kinds (`hf_polybasic.runners.recurrent.LayerKind.key`) whose transformers code does not continue a
 # cached state in a forward of several tokens (checked by tests/test_compat.py on the installed
 # release): "mamba", the Mamba (1) layers of Jamba, Mamba and FalconMamba, transformers 5.14 - 5.23
 # (no release seen since): the selective scan of a forward of several tokens starts from a zero state

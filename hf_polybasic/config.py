@@ -75,9 +75,9 @@ class PolybasicConfig:
             level above decides every token; docs: Build the levels). Left as given: a model below
             a `PromptLookup`, one with forward hooks of its own (accelerate's offloading), one whose
             output layer is of another kind. None: always the model as given.
-        compile: run every model of the chain that can (`hf_polybasic.probe.static_problem`) on a static
+        compile: run every model of the chain that can (`hf_polybasic.runners.probe.static_problem`) on a static
             cache with its forwards compiled by ``torch.compile`` (on a GPU as CUDA graphs, mode
-            ``"reduce-overhead"``): one graph per padded width (`hf_polybasic.static.WIDTHS`), made once
+            ``"reduce-overhead"``): one graph per padded width (`hf_polybasic.runners.static.WIDTHS`), made once
             per model and reused by later calls. ``"auto"`` (default): for models on a CUDA device;
             True: everywhere (on the CPU too, without graphs); False: never. A model that cannot keeps
             the dynamic cache, with a warning naming why. Exact either way (docs: Speed on a GPU).

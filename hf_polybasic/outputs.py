@@ -13,7 +13,7 @@ import torch
 from transformers.generation import GenerateDecoderOnlyOutput
 
 from .compat import OUTPUT_CACHE_FIELD, prepared_pad_token_id
-from .engine import RowResult
+from .decoding.loop import RowResult
 from .request import Request
 from .stats import PolybasicStats
 from .vocabulary import as_id_list

@@ -18,8 +18,8 @@ from . import compat
 from .compat import new_dynamic_cache
 from .config import PolybasicConfig
 from .drafters import AddedPromptLookup, Drafter
-from .processing import reject_stateful_processors
-from .vocab_head import drafting_view
+from .decoding.processing import reject_stateful_processors
+from .models.vocab_head import drafting_view
 from .vocabulary import as_id_list, check_chain_vocabularies
 
 # model_kwargs that `generate` prepares and the engine understands (it recomputes positions per row)
@@ -51,7 +51,7 @@ class Request:
         repeats: how many rows each prompt was expanded to (``num_return_sequences``); consecutive
             rows share a prompt.
         static: the call asked for static caches (``cache_implementation="static"``): every model
-            that can decodes on one (`hf_polybasic.static`).
+            that can decodes on one (`hf_polybasic.runners.static`).
     """
 
     assistants: list
@@ -172,7 +172,7 @@ def _target_caches(target, rows: int, use_cache: bool, given) -> list:
 
 def with_restricted_drafter(assistants: list, config: PolybasicConfig, static: bool = False) -> list:
     """``assistants`` with the bottom model replaced by its restricted-vocabulary drafting view
-    (`PolybasicConfig.drafter_vocabulary`, `hf_polybasic.vocab_head.drafting_view`) where that pays
+    (`PolybasicConfig.drafter_vocabulary`, `hf_polybasic.models.vocab_head.drafting_view`) where that pays
     and stays exact; otherwise unchanged. Not below an added prompt lookup: a restricted level
     that verifies must emit a token wherever the processors allow one. Not on a static cache or
     compiled (``static``, `PolybasicConfig.compiles`): the view's output layer grows with the text,

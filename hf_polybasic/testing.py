@@ -309,7 +309,7 @@ def _amplify_recurrent_layers(model, inputs: float = 3.0, outputs: float = 8.0) 
     """Scale up the input and output projections of each recurrent layer: at random initialisation
     what it adds to the residual stream is too small for a stale recurrent state to change a tiny
     model's greedy output, which would leave tests of the state's rollback without power."""
-    from .recurrent import recurrent_layers
+    from .runners.recurrent import recurrent_layers
 
     kinds = {layer.module for layer in recurrent_layers(model)}
     for module in model.modules():
@@ -387,7 +387,7 @@ def make_tokenizer(vocab: int = VOCAB):
 class SimulatedClock:
     """A clock that stands still except when a charged model runs a forward pass.
 
-    Pass it to `hf_polybasic.integration.make_generate` (and to `hf_polybasic.costs.measure_curve`)
+    Pass it to `hf_polybasic.generation.make_generate` (and to `hf_polybasic.costs.measure_curve`)
     so that every timing the chain reads is a simulated cost: schedules that react to timings then
     behave the same on every machine and every run. ``charge(model, cost)`` advances the clock by
     ``cost(tokens)`` seconds at each forward of ``model`` over ``tokens`` new tokens.
@@ -421,7 +421,7 @@ def simulated_machine(costs: Mapping[torch.nn.Module, Callable[[int], float]]) -
     curves measured on that clock and kept in memory only. Tests of the cost-aware schedule use it
     to make drafting pay (or not) whatever machine they run on; the hooks are removed on exit."""
     from .costs import CostCurves, cost_key
-    from .integration import make_generate
+    from .generation import make_generate
 
     clock = SimulatedClock()
     handles = [clock.charge(model, cost) for model, cost in costs.items()]

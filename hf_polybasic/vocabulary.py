@@ -5,7 +5,7 @@ every id the target can emit. What the target can emit is its tokenizer's vocabu
 tokenizer is known (padded output rows beyond it never win), else its output layer's rows; an
 assistant may lack a few of those rows (padding: Qwen2.5 7B has 152,064 rows, 0.5B 151,936, the
 tokenizer 151,665 ids), and if the target ever emits one of them the model runner raises a clear
-error instead of an IndexError (`hf_polybasic.cache.CachedModel`). Output rows an assistant has
+error instead of an IndexError (`hf_polybasic.runners.dynamic.CachedModel`). Output rows an assistant has
 beyond the target's are never proposed (they are cut), but far more rows than the target's mean
 another tokenizer.
 
@@ -19,7 +19,7 @@ import warnings
 
 import torch
 
-from .cache import input_vocabulary_size, model_label
+from .labels import model_label
 
 # an assistant may have this fraction fewer input ids than the target can emit (padding rows)
 MAX_MISSING_FRACTION = 0.01
@@ -33,6 +33,14 @@ MIN_DRAFTS = 32
 # ... or, when the level below sat out most rounds (cost-aware back-off), at least this many
 MIN_PROBE_DRAFTS = 4
 
+
+
+def input_vocabulary_size(model: torch.nn.Module) -> int:
+    """How many token ids ``model`` can embed."""
+    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    if isinstance(embeddings, torch.nn.Embedding):
+        return int(embeddings.num_embeddings)
+    return int(model.config.get_text_config(decoder=True).vocab_size)
 
 def as_id_list(value) -> list[int]:
     """Token ids from an int, a list or a tensor, in their order (the first EOS id matters)."""

@@ -18,7 +18,7 @@ torch.set_num_threads(1)
 from hypothesis import settings  # noqa: E402
 
 import distribution  # noqa: E402
-from hf_polybasic import static  # noqa: E402
+from hf_polybasic.runners import static  # noqa: E402
 from hf_polybasic.testing import make_chain, make_target  # noqa: E402
 
 # Compiled static runners trace with dynamo (the graphs, their count and their guards are what tests

@@ -10,10 +10,10 @@ from scipy.stats import chi2_contingency
 from transformers import StoppingCriteria, StoppingCriteriaList
 
 import hf_polybasic as hp
-from hf_polybasic.chain import ChainParts, Verifier
+from hf_polybasic.decoding.round import ChainParts, Verifier
 from hf_polybasic.drafters import PromptLookup
-from hf_polybasic.drafting import ModelDrafter
-from hf_polybasic.integration import make_generate
+from hf_polybasic.decoding.drafting import ModelDrafter
+from hf_polybasic.generation import make_generate
 from hf_polybasic.testing import EOS, PAD, prompt
 
 CONFIG = hp.PolybasicConfig(num_draft_tokens=3, block_threshold=4, schedule="constant")
@@ -211,7 +211,7 @@ def test_holes_are_compacted_so_caches_grow_with_the_text_not_the_rejections(sha
 
 
 def test_the_cache_is_compacted_without_changing_any_rows_logits(shared_models):
-    from hf_polybasic.cache import CachedModel
+    from hf_polybasic.runners.dynamic import CachedModel
     from hf_polybasic.compat import new_dynamic_cache
 
     model = shared_models.chain("llama", 1, seed=75)[0]
@@ -236,8 +236,7 @@ def test_rows_that_stop_leave_every_later_forward(shared_models):
     prompts = [prompt(5, seed=400 + row)[0] for row in range(4)]
     ids, mask = left_padded(prompts)
     criteria = StoppingCriteriaList([StopAfterForPrompt(p, p.shape[0] + 2) for p in prompts[1:]])
-    from hf_polybasic import probe
-
+    from hf_polybasic.runners import probe
     probe.cache_problem(target), probe.rows_problem(target)  # probed (once per model) before the widths are recorded
     widths = []
     handle = target.register_forward_pre_hook(lambda module, args, kwargs: widths.append(kwargs["input_ids"].shape[0]),
@@ -257,7 +256,7 @@ def test_rows_that_stop_leave_every_later_forward(shared_models):
 
 
 def test_a_rows_share_of_a_forward_is_priced_over_the_rows_still_live():
-    from hf_polybasic.chain import BatchShare
+    from hf_polybasic.decoding.round import BatchShare
 
     class Runner:
         live_rows = 4
@@ -276,7 +275,7 @@ def test_a_rows_share_of_a_forward_is_priced_over_the_rows_still_live():
 
 
 def test_batched_forwards_do_not_correct_the_one_row_cost_curve(shared_models):
-    from hf_polybasic.cache import CachedModel
+    from hf_polybasic.runners.dynamic import CachedModel
     from hf_polybasic.compat import new_dynamic_cache
     from hf_polybasic.costs import CostCurve, CostEstimate
 
@@ -388,7 +387,7 @@ def test_a_batchs_counts_per_level_are_the_sum_of_its_rows_decoded_alone(chain_s
 @pytest.mark.parametrize("arch", ["qwen3_5_text", "nemotron_h", "jamba", "lfm2"])
 def test_every_row_of_a_hybrid_batch_equals_plain_generate_and_the_row_alone(arch, shared_models):
     """A chain of hybrid models (Gated DeltaNet, Mamba-2, Mamba, short convolution; issue 25) decodes a
-    left-padded batch row by row (`hf_polybasic.recurrent.batch_refusal_reason`), each row exact,
+    left-padded batch row by row (`hf_polybasic.runners.recurrent.batch_refusal_reason`), each row exact,
     with an EOS inside a block of one row."""
     from hf_polybasic import compat
     from hf_polybasic.testing import make_target, noisy_copy
@@ -413,7 +412,7 @@ def test_every_row_of_a_hybrid_batch_equals_plain_generate_and_the_row_alone(arc
 def test_a_single_row_runner_has_nothing_to_release_or_prefill_repeated(shared_models):
     """release_rows and prefill_repeated are batch operations: a one-row runner keeps its row and
     refuses a repeated prefill with a message naming the runner."""
-    from hf_polybasic.cache import CachedModel
+    from hf_polybasic.runners.dynamic import CachedModel
     from hf_polybasic.compat import new_dynamic_cache
 
     model = shared_models.chain("llama", 1, seed=75)[0]
@@ -426,7 +425,7 @@ def test_a_single_row_runner_has_nothing_to_release_or_prefill_repeated(shared_m
 
 
 def test_a_drafter_reporting_nan_log_probs_is_refused():
-    from hf_polybasic.drafting import check_drafter_output
+    from hf_polybasic.decoding.drafting import check_drafter_output
 
     log_probs = torch.log(torch.full((2, 8), 1 / 8))
     log_probs[1, 3] = float("nan")

@@ -11,7 +11,9 @@ import pytest
 import torch
 from transformers import GenerationMixin
 
-from hf_polybasic import compat, cpu
+from hf_polybasic import compat
+
+from hf_polybasic.models import packed as cpu
 from hf_polybasic.tools.bench import BenchSettings, Method, rebuild_report, run_benchmark, speedup
 from hf_polybasic.tools.bench import cli as bench_cli
 from hf_polybasic.tools.bench import methods as bench_methods

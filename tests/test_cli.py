@@ -44,7 +44,6 @@ def test_rollback_cost_on_a_tiny_hybrid(capsys, tmp_path):
     import pytest
 
     from hf_polybasic import compat
-
     if not compat.HAS_RECURRENT_CACHE_LAYERS:
         pytest.skip("transformers < 5.15: hybrid models are refused")
     assert cli.main(["rollback-cost", "--tiny", "--ks", "2,4", "--repeats", "1", "--out", str(tmp_path)]) == 0

@@ -173,7 +173,7 @@ def _feed(model, cache, ids, start=0):
 def test_hybrids_are_refused_by_kind_where_transformers_has_no_shared_recurrent_layout(monkeypatch):
     """Before 5.15 (checked on 4.57.6, 5.4.0 and 5.14.1) families kept their state in cache classes of
     their own, or continued it differently."""
-    from hf_polybasic.cache import CachedModel
+    from hf_polybasic.runners.dynamic import CachedModel
 
     monkeypatch.setattr(compat, "HAS_RECURRENT_CACHE_LAYERS", False)
     target = make_target("qwen3_next", seed=1)
@@ -230,7 +230,7 @@ def test_a_layer_without_state_is_one_a_rollback_leaves_alone():
     model = make_target("nemotron_h", layers=4)  # mamba, attention, mamba, MLP only
     cache = compat.new_dynamic_cache(model)
     assert type(cache.layers[3]) in compat.ROLLBACK_LAYER_TYPES or compat.is_recurrent_cache_layer(cache.layers[3])
-    from hf_polybasic.recurrent import recurrent_layers
+    from hf_polybasic.runners.recurrent import recurrent_layers
 
     assert [layer.index for layer in recurrent_layers(model)] == [0, 2]
 
@@ -317,7 +317,7 @@ def test_which_kinds_continue_a_state_over_several_tokens(arch):
     """What `continues_state_over_several_tokens` says of the installed release: a forward of several
     tokens after a cached state gives the full forward's logits, or not (Jamba, Mamba: fails first
     when a release fixes their scan, so the one-token feeding can be dropped there)."""
-    from hf_polybasic.recurrent import recurrent_layers
+    from hf_polybasic.runners.recurrent import recurrent_layers
 
     model = _tiny_hybrid(arch, seed=2)
     ids = prompt(16, seed=3)

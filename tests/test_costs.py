@@ -12,7 +12,7 @@ import torch
 
 import hf_polybasic as hp
 from hf_polybasic.costs import CostCurve, CostCurves, cost_key
-from hf_polybasic.integration import make_generate
+from hf_polybasic.generation import make_generate
 from hf_polybasic.testing import make_target, noisy_copy, prompt
 
 
@@ -61,7 +61,7 @@ def test_a_static_runner_has_curves_of_its_own_measured_through_it(tmp_path, mod
 def test_measuring_through_a_static_runner_pads_to_its_widths(model):
     from hf_polybasic.costs import measure_curve
     from hf_polybasic.costs.measure import measuring_runner
-    from hf_polybasic.static import StaticRunner
+    from hf_polybasic.runners.static import StaticRunner
 
     assert isinstance(measuring_runner(model, "static", 64), StaticRunner)
     curve = measure_curve(model, tokens=(1, 3), context=8, repeats=1, runner="static")

@@ -1,10 +1,11 @@
-"""Packed linear layers (hf_polybasic.cpu): opt-in, exact to rounding, fully reversible."""
+"""Packed linear layers (hf_polybasic.models.packed): opt-in, exact to rounding, fully reversible."""
 
 import pytest
 import torch
 
 import hf_polybasic as hp
-from hf_polybasic import compat, cpu
+from hf_polybasic import compat
+from hf_polybasic.models import packed as cpu
 from hf_polybasic.costs import cost_key
 from hf_polybasic.testing import make_chain, make_target, prompt
 

@@ -205,7 +205,7 @@ def test_a_forward_is_timed_to_the_end_of_its_gpu_work(monkeypatch, fp32_chain):
     clock (and when measuring the curves) a timed forward synchronizes the devices its model lives
     on, inside the timed span."""
     from hf_polybasic import timing
-    from hf_polybasic.cache import CachedModel
+    from hf_polybasic.runners.dynamic import CachedModel
     from hf_polybasic.compat import new_dynamic_cache
     from hf_polybasic.costs import forward_cost
     from hf_polybasic.costs import measure as measure_module
@@ -235,7 +235,6 @@ def test_decoding_forwards_are_timed_by_events_without_waiting_for_the_gpu(monke
     """With the wall clock on one GPU, a forward is bracketed by CUDA events and nothing waits: its
     seconds reach the cost observer once its end event has run, at a later forward."""
     from hf_polybasic import timing
-
     events = []
 
     class FakeEvent:
@@ -273,8 +272,7 @@ def test_decoding_forwards_are_timed_by_events_without_waiting_for_the_gpu(monke
 
 
 def test_the_machine_description_names_the_models_gpus_not_the_current_one(monkeypatch):
-    from hf_polybasic import hardware
-
+    from hf_polybasic.costs import hardware
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: f"GPU #{torch.device(device).index}")
     assert hardware.describe_machine(["cpu"])["gpu"] is None
     assert hardware.describe_machine(["cuda:1", "cpu", "cuda:1"])["gpu"] == ["cuda:1: GPU #1"]

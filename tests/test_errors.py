@@ -6,7 +6,7 @@ from hf_polybasic.testing import make_chain, make_target, noisy_copy, prompt
 from transformers import DynamicCache, StaticCache
 
 import hf_polybasic as hp
-from hf_polybasic.cache import CachedModel
+from hf_polybasic.runners.dynamic import CachedModel
 
 
 @pytest.fixture

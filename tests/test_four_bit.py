@@ -1,4 +1,4 @@
-"""NF4 copies of the target on the CPU through bitsandbytes (`hf_polybasic.four_bit`): independent
+"""NF4 copies of the target on the CPU through bitsandbytes (`hf_polybasic.models.nf4`): independent
 of their source, exact in a chain, and agreeing with the target. Skipped where bitsandbytes (the
 ``hf_polybasic[quant4]`` extra) is not installed; its absence is a clear error. int4 copies run on
 torch's own kernels, with nothing to install: tests/test_int4.py."""
@@ -11,7 +11,7 @@ from distribution import assert_every_level_took_part
 from test_int4 import assert_independent_of_its_source
 
 import hf_polybasic as hp
-from hf_polybasic import four_bit
+from hf_polybasic.models import nf4 as four_bit
 from hf_polybasic.levels import quantized_copy
 from hf_polybasic.testing import make_target, noisy_copy, prompt
 

@@ -276,7 +276,7 @@ def test_repetition_penalty_of_a_left_padded_batch_skips_each_rows_padding(rows,
 
 def test_cache_implementation_static_runs_the_chain_static_and_hands_back_its_cache(chain):
     """``cache_implementation="static"`` is honoured, not ignored: every model decodes on a static cache
-    (`hf_polybasic.static`), without a warning, and the call hands back what plain generate's holds:
+    (`hf_polybasic.runners.static`), without a warning, and the call hands back what plain generate's holds:
     the output minus its last token (in a `DynamicCache`, which can be continued)."""
     target, *assistants = chain
     ids = prompt(5, seed=14)

@@ -17,7 +17,7 @@ import torch
 from torch._dynamo.utils import counters
 
 import hf_polybasic as hp
-from hf_polybasic import static
+from hf_polybasic.runners import static
 from hf_polybasic.testing import prompt, tiny_chain
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

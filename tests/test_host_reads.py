@@ -14,7 +14,7 @@ from test_batches import left_padded
 from torch.overrides import TorchFunctionMode
 
 import hf_polybasic as hp
-from hf_polybasic import drafting
+from hf_polybasic.decoding import drafting
 from hf_polybasic.testing import PAD, cheap_drafting_costs, prompt, simulated_machine
 
 READS = {"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "nonzero", "cpu", "numpy", "equal"}
@@ -40,7 +40,7 @@ class HostReads(TorchFunctionMode):
     def _count(self, name: str, frame) -> None:
         """Count the call when ``frame`` (the caller's) is the package's own code."""
         module = frame.f_globals.get("__name__", "")
-        if module.startswith("hf_polybasic") and module not in ("hf_polybasic.testing", "hf_polybasic.probe"):
+        if module.startswith("hf_polybasic") and module not in ("hf_polybasic.testing", "hf_polybasic.runners.probe"):
             self.count += 1
             key = f"{module}:{frame.f_code.co_name}"
             self.where[key] = self.where.get(key, 0) + 1
@@ -55,7 +55,7 @@ class HostWaits(HostReads):
     host-built data to the device that are not asynchronous (``torch.tensor(data, device=...)``,
     ``new_tensor``, and ``.to(device)`` without ``non_blocking=True`` of a tensor the host built with
     no device: a copy from pageable memory ends in a stream synchronization). A tensor sent up with
-    ``non_blocking=True`` (`hf_polybasic.transfer.upload`: through pinned memory on a GPU) counts as on
+    ``non_blocking=True`` (`hf_polybasic.runners.transfer.upload`: through pinned memory on a GPU) counts as on
     the device from then on."""
 
     def __init__(self):
@@ -184,13 +184,13 @@ def test_the_waits_counter_sees_the_per_token_reads_of_the_cpus_drafter(shared_m
     target, draft = shared_models.chain("llama", 2, seed=79)
     waits, stats = _waits(target, [draft], 1, hp.PolybasicConfig(compile=True), cache_implementation="static")
     assert stats.levels[1].proposed > 2 * stats.levels[0].forward_passes
-    assert waits.where.get("hf_polybasic.drafting:_keep_step", 0) >= stats.levels[1].proposed
+    assert waits.where.get("hf_polybasic.decoding.drafting:_keep_step", 0) >= stats.levels[1].proposed
     assert waits.count > 2 * stats.levels[0].forward_passes + 4
 
 
 def test_the_waits_counter_counts_blocking_uploads():
     """A negative control for the uploads: what blocks on a GPU is counted, what does not is not."""
-    from hf_polybasic.transfer import upload
+    from hf_polybasic.runners.transfer import upload
 
     counted = {}
     for name, expression in {
@@ -216,7 +216,7 @@ def test_host_stops_give_the_criteria_own_verdicts(eos, max_length):
     prefix checked by the criterion, the first that fires ends the round."""
     from transformers.generation import EosTokenCriteria, MaxLengthCriteria, StoppingCriteriaList
 
-    from hf_polybasic.engine import HostStops
+    from hf_polybasic.decoding.loop import HostStops
 
     criteria = StoppingCriteriaList([MaxLengthCriteria(max_length)] + ([EosTokenCriteria(eos)] if eos else []))
     host = HostStops.of(criteria)
@@ -235,7 +235,7 @@ def test_host_stops_give_the_criteria_own_verdicts(eos, max_length):
 def test_host_stops_leave_criteria_of_the_users_own_to_the_device():
     from transformers.generation import MaxLengthCriteria, MaxTimeCriteria, StoppingCriteria, StoppingCriteriaList
 
-    from hf_polybasic.engine import HostStops
+    from hf_polybasic.decoding.loop import HostStops
 
     class Never(StoppingCriteria):
         def __call__(self, input_ids, scores, **kwargs):

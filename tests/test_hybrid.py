@@ -1,5 +1,5 @@
 """Hybrid models (linear-attention, state-space and short-convolution layers beside attention) at
-any level of a chain, losslessly (`hf_polybasic.recurrent`).
+any level of a chain, losslessly (`hf_polybasic.runners.recurrent`).
 
 Tiny random models of each covered family, built in code, whose recurrent layers are amplified
 (`hf_polybasic.testing`) so that a state left advanced by a rejected draft changes their output:
@@ -17,10 +17,12 @@ from distribution import ALPHA, assert_every_level_took_part, build_models, chi_
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import hf_polybasic as hp
-from hf_polybasic import compat, engine, recurrent
-from hf_polybasic.cache import CachedModel
-from hf_polybasic.chain import ChainParts, Verifier
-from hf_polybasic.integration import make_generate
+from hf_polybasic import compat
+from hf_polybasic.decoding import loop as engine
+from hf_polybasic.runners import recurrent
+from hf_polybasic.runners.dynamic import CachedModel
+from hf_polybasic.decoding.round import ChainParts, Verifier
+from hf_polybasic.generation import make_generate
 from hf_polybasic.testing import EOS, PAD, make_target, noisy_copy, prompt
 
 pytestmark = pytest.mark.skipif(

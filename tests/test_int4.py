@@ -1,4 +1,4 @@
-"""Int4 weight-only copies through torch's own int4 kernels (`hf_polybasic.int4`): the group
+"""Int4 weight-only copies through torch's own int4 kernels (`hf_polybasic.models.int4`): the group
 quantization against a reference, the layer against its dequantized weight, a chain through the
 copy (exact, agreeing with the target), independence from the target and from torchao and
 bitsandbytes (the cost and levels tables measure it without them), compile, clear errors. CUDA
@@ -12,8 +12,9 @@ import torch
 from distribution import assert_every_level_took_part
 
 import hf_polybasic as hp
-from hf_polybasic import int4
-from hf_polybasic.levels import CPU_FOUR_BIT_WARNING, quantized_copy
+from hf_polybasic.models import int4
+from hf_polybasic.levels import quantized_copy
+from hf_polybasic.models.copies import CPU_FOUR_BIT_WARNING
 from hf_polybasic.testing import make_target, noisy_copy, prompt
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

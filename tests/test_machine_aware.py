@@ -8,8 +8,13 @@ import numpy as np
 import pytest
 import torch
 
-from hf_polybasic import compat, cpu, hardware
-from hf_polybasic.levels import quantize_linear_layers, quantized_copy
+from hf_polybasic import compat
+
+from hf_polybasic.models import packed as cpu
+
+from hf_polybasic.costs import hardware
+from hf_polybasic.levels import quantized_copy
+from hf_polybasic.models.copies import quantize_linear_layers
 from hf_polybasic.costs import cost_key
 from hf_polybasic.testing import SimulatedClock, make_target
 from hf_polybasic.tools import loading
@@ -151,8 +156,7 @@ def test_the_costs_command_measures_every_variant_and_writes_its_table(tmp_path)
 
     text = run_costs_table("tiny", repeats=1, out=str(tmp_path), progress=False)
     rows = [line for line in text.splitlines() if line.startswith("| tiny")]
-    from hf_polybasic import four_bit
-
+    from hf_polybasic.models import nf4 as four_bit
     expected = ["| tiny fp32", "| tiny bf16", "| tiny int8-dynamic"] + ["| tiny nf4"] * four_bit.available("nf4")
     assert [row.split(" | ")[0] for row in rows] == expected
     assert "T(16)/T(1)" in text and "Machine:" in text

@@ -11,7 +11,10 @@ import transformers as tf
 from test_batches import left_padded
 
 import hf_polybasic as hp
-from hf_polybasic import compat, engine, probe
+from hf_polybasic import compat
+from hf_polybasic.decoding import loop as engine
+from hf_polybasic.labels import model_label
+from hf_polybasic.runners import probe
 from hf_polybasic.testing import EOS, PAD, make_chain, noisy_copy, prompt
 from hf_polybasic.levels import quantized_copy
 
@@ -280,9 +283,8 @@ def test_a_dynamic_int8_model_keeps_the_dynamic_runner_for_its_activation_scale_
     handle.remove()
     assert seen
 
-    from hf_polybasic import chain
-
-    chain._warned_runners.discard((probe.model_label(quantized), problem))
+    from hf_polybasic.decoding import round as chain
+    chain._warned_runners.discard((model_label(quantized), problem))
     ids = prompt(6, seed=3)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -22,7 +22,7 @@ import hf_polybasic as hp
 from distribution import assert_every_level_took_part
 from hf_polybasic.drafters import Drafter
 from hf_polybasic.outputs import pad_token_id
-from hf_polybasic.verify import speculative_verify
+from hf_polybasic.decoding.acceptance import speculative_verify
 
 # a drafter that is the target itself, so every draft is accepted and rounds are long
 EVERY_DRAFT_ACCEPTED = hp.PolybasicConfig(num_draft_tokens=8, schedule="constant")

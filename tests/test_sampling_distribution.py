@@ -23,10 +23,10 @@ from distribution import (
     sample_counts,
 )
 
-from hf_polybasic.chain import ChainParts
+from hf_polybasic.decoding.round import ChainParts
 from hf_polybasic.schedule import batch_gate
-from hf_polybasic.drafting import ModelDrafter
-from hf_polybasic.integration import make_generate
+from hf_polybasic.decoding.drafting import ModelDrafter
+from hf_polybasic.generation import make_generate
 from hf_polybasic.testing import cheap_drafting_costs, prompt, simulated_machine
 
 

@@ -18,14 +18,14 @@ from distribution import (
     sample_counts,
 )
 
-from hf_polybasic import chain as chain_module
-from hf_polybasic.chain import ChainParts
+from hf_polybasic.decoding import round as chain_module
+from hf_polybasic.decoding.round import ChainParts
 from hf_polybasic.config import PolybasicConfig
 from hf_polybasic.costs import CostCurves
-from hf_polybasic.drafting import ModelDrafter
-from hf_polybasic.integration import make_generate
+from hf_polybasic.decoding.drafting import ModelDrafter
+from hf_polybasic.generation import make_generate
 from hf_polybasic.levels import early_exit
-from hf_polybasic.protocol import Proposal
+from hf_polybasic.decoding.protocol import Proposal
 from hf_polybasic.schedule.backoff import MAX_BACKOFF_ROUNDS
 from hf_polybasic.schedule.batch_gate import BLIND_LENGTH, PLAIN_FIRST_ROUNDS
 from hf_polybasic.schedule import batch_gate, cost_aware

@@ -1,4 +1,4 @@
-"""The static runner (`hf_polybasic.static`): exact against full forwards and plain `generate`,
+"""The static runner (`hf_polybasic.runners.static`): exact against full forwards and plain `generate`,
 one compiled graph per width made once, a clear fallback for the models it cannot take.
 
 The oracle (tests/test_oracle.py) also draws static and compiled runners for every architecture;
@@ -21,18 +21,18 @@ from hypothesis import strategies as st
 from torch._dynamo.utils import counters
 
 import hf_polybasic as hp
-from hf_polybasic import compat, probe, static
-from hf_polybasic.cache import CachedModel
+from hf_polybasic import compat
+from hf_polybasic.runners import probe, static
+from hf_polybasic.runners.dynamic import CachedModel
 from hf_polybasic.drafters import PromptLookup
-from hf_polybasic.probe import static_problem
-from hf_polybasic.static import WIDTHS, StaticRunner, bucket, capacity_for
+from hf_polybasic.runners.probe import static_problem
+from hf_polybasic.runners.static import WIDTHS, StaticRunner, bucket, capacity_for
 from hf_polybasic.testing import TINY_ARCHITECTURES, make_target, noisy_copy, prompt, tiny_chain
 
 @pytest.fixture(autouse=True)
 def warn_afresh(monkeypatch):
     """Each test sees the chain's once-per-process warnings (another test may have made them)."""
-    from hf_polybasic import chain
-
+    from hf_polybasic.decoding import round as chain
     monkeypatch.setattr(chain, "_warned_runners", set())
 
 
@@ -229,7 +229,7 @@ def test_the_first_call_makes_a_graph_per_model_and_width_and_the_next_call_none
     same caches and makes graphs only for widths they have not met (the capacity is no part of a
     graph's key). (The drafter, of the target's shape here, shares its measured curve.)"""
     from hf_polybasic.costs import MEASURED_TOKENS, CostCurves
-    from hf_polybasic.integration import make_generate
+    from hf_polybasic.generation import make_generate
 
     target, draft = tiny_chain("llama", depth=2, seed=31)
     generate = make_generate(costs=CostCurves(directory=None))  # curves in memory, measured in the first call

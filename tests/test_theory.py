@@ -1,4 +1,4 @@
-"""`hf_polybasic.planning.theory` against Monte Carlo simulation, and the places where the paper's statements
+"""`hf_polybasic.theory` against Monte Carlo simulation, and the places where the paper's statements
 (as we have them) do not hold exactly.
 
 Every simulation is seeded numpy. A simulated estimate must lie within Z standard errors of the
@@ -19,7 +19,7 @@ from scipy.stats import chisquare
 
 from hf_polybasic.planning import theory
 from hf_polybasic.stats import LevelStats, PolybasicStats
-from hf_polybasic.verify import speculative_verify
+from hf_polybasic.decoding.acceptance import speculative_verify
 
 Z = 5.0
 CHI_SQUARE_ALPHA = 1e-4
@@ -142,7 +142,7 @@ def test_speculative_sampling_acceptance_is_truncated_geometric_with_alpha_one_m
 
 
 def test_our_verification_rule_follows_the_theory():
-    """`hf_polybasic.verify.speculative_verify` itself: mean acceptance length as predicted."""
+    """`hf_polybasic.decoding.acceptance.speculative_verify` itself: mean acceptance length as predicted."""
     generator = torch.Generator().manual_seed(0)
     target = torch.softmax(1.5 * torch.randn(8, generator=generator), -1)
     proposal = torch.softmax(1.5 * torch.randn(8, generator=generator), -1)

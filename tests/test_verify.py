@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy.stats import chisquare
 
-from hf_polybasic.verify import (
+from hf_polybasic.decoding.acceptance import (
     align_vocabulary,
     count_leading_true,
     greedy_verify,
@@ -140,7 +140,7 @@ def test_align_vocabulary_slices_without_renormalising_and_pads_with_zero():
 def test_the_int_wrappers_draw_from_the_generator_they_are_given():
     """point_mass_verify / speculative_verify pass ``generator`` on: the same seed gives the same
     draws whatever the global RNG did in between (a wrapper that dropped it would follow the global)."""
-    from hf_polybasic.verify import point_mass_verify, speculative_verify
+    from hf_polybasic.decoding.acceptance import point_mass_verify, speculative_verify
 
     probs = torch.full((4, 16), 1 / 16)
     drafts = torch.tensor([3, 5, 7])

@@ -21,14 +21,15 @@ from distribution import (
 )
 
 import hf_polybasic as hp
-from hf_polybasic import compat, cpu, vocab_head
-from hf_polybasic.chain import ChainParts
-from hf_polybasic.drafting import ModelDrafter
-from hf_polybasic.integration import make_generate
+from hf_polybasic import compat
+from hf_polybasic.models import packed as cpu, vocab_head
+from hf_polybasic.decoding.round import ChainParts
+from hf_polybasic.decoding.drafting import ModelDrafter
+from hf_polybasic.generation import make_generate
 from hf_polybasic.levels import quantized_copy, restricted_vocabulary
-from hf_polybasic.processing import process_positions
+from hf_polybasic.decoding.processing import process_positions
 from hf_polybasic.testing import EOS, make_chain, make_target, prompt
-from hf_polybasic.vocab_head import RestrictedLinear
+from hf_polybasic.models.vocab_head import RestrictedLinear
 
 KINDS = ["fp32", "bf16", "int8-dynamic", "packed-fp32", "packed-bf16"]
 CONSTANT = dict(schedule="constant", num_draft_tokens=3, block_threshold=3)

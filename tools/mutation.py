@@ -16,7 +16,7 @@ matches the mutant's diff (else they count as survivors again).
     python tools/mutation.py run --not-killed    # rerun only the sample's mutants not killed last time
     python tools/mutation.py report [--diffs]    # the table (and each survivor's diff) from the last run
     python tools/mutation.py list                # the sampled mutant names
-    python tools/mutation.py run --modules hf_polybasic/static.py hf_polybasic/schedule/shape_gate.py
+    python tools/mutation.py run --modules hf_polybasic/runners/static.py hf_polybasic/schedule/shape_gate.py
                                                  # only these modules' share of the sample (a change's)
 """
 

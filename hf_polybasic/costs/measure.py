@@ -9,9 +9,9 @@ from collections.abc import Sequence
 
 import torch
 
-from ..cache import CachedModel
+from ..runners.dynamic import CachedModel
 from ..compat import new_dynamic_cache
-from ..hardware import describe_machine
+from .hardware import describe_machine
 from ..timing import DEFAULT_CLOCK, Clock, cuda_devices, synchronize, timed
 from .curve import CALIBRATION_CONTEXT, CostCurve
 
@@ -74,7 +74,7 @@ def model_description(model: torch.nn.Module) -> dict:
 
 def machine_description(model: torch.nn.Module | None = None) -> dict:
     """What a cost depends on besides the model: CPU, the kernels torch picks, threads, versions, and
-    the GPUs the model lives on (`hf_polybasic.hardware.describe_machine`)."""
+    the GPUs the model lives on (`hf_polybasic.costs.hardware.describe_machine`)."""
     devices = sorted({t.device for t in model.parameters()}, key=str) if model is not None else ()
     return describe_machine(devices)
 
@@ -98,7 +98,7 @@ def measuring_runner(model: torch.nn.Module, runner: str, longest: int, clock: C
         raise ValueError(f"runner must be one of {RUNNERS}, got {runner!r}")
     if runner == "dynamic":
         return CachedModel(model, new_dynamic_cache(model), role="measured model", clock=clock)
-    from ..static import StaticRunner, capacity_for
+    from ..runners.static import StaticRunner, capacity_for
 
     return StaticRunner(model, "measured model", max(capacity_for(longest), capacity or 0), clock=clock,
                         compiled=runner == "compiled")

@@ -16,7 +16,7 @@ Typical use::
     out = target.generate(**inputs, **plan.generate_kwargs())
 """
 
-from . import theory
+from .. import theory
 from .acceptance import (
     Acceptance,
     BlockAcceptance,

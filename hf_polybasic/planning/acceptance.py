@@ -6,7 +6,7 @@ text each verification accepts the leading agreements of the pair (capped at b, 
 for a Drafter at what it proposed there), emits one more token, and the next starts where it
 ended; so copy regions with long runs count as such, and as often as decoding visits them
 (averaging over every position, `expected_run_length`, would overstate L: a verification jumps
-over a long run). Under sampling, the geometric model of `hf_polybasic.planning.theory` with alpha
+over a long run). Under sampling, the geometric model of `hf_polybasic.theory` with alpha
 = the mean overlap. A real-valued b interpolates linearly between the integers around it.
 
 An intermediate level with threshold mu repeats verifications until it holds mu tokens:
@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from . import theory
+from .. import theory
 
 
 def is_int(value, minimum: int) -> bool:

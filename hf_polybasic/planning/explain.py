@@ -10,7 +10,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from . import theory
+from .. import theory
 from .predict import ChainPrediction, predict
 from .profile_data import TARGET, Profile, pair_key
 

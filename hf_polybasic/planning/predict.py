@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..config import PolybasicConfig
-from . import theory
+from .. import theory
 from .acceptance import expected_verifications, is_int
 from .profile_data import TARGET, Profile
 

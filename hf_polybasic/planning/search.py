@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..config import PolybasicConfig
-from ..integration import generate
+from ..generation import generate
 from .acceptance import is_int
 from .explain import Explanation, explain_candidate, plan_markdown
 from .predict import ChainPrediction, checked_chain, predict

@@ -3,7 +3,7 @@
 Rows of a batch share every forward, so whether speculation pays is a property of the batch, not
 of a row: a round's target forward is as wide as its longest proposal and the drafter steps while
 any row drafts, so a row's schedule, which prices its own tokens as an even share
-(`hf_polybasic.chain.BatchShare`), cannot see what the batch pays. And plain batched decoding is a
+(`hf_polybasic.decoding.round.BatchShare`), cannot see what the batch pays. And plain batched decoding is a
 stronger baseline than one row decoding alone: n rows cost a memory-bound machine about one step,
 while verifying n rows of k tokens each makes a forward of n k tokens, which can be compute-bound.
 

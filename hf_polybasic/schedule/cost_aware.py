@@ -60,7 +60,7 @@ LOOKAHEAD = 16
 
 class VerifierCosts(Protocol):
     """The parent's forward cost as a schedule sees it (`hf_polybasic.costs.CostEstimate`, or a
-    row's share of one, `hf_polybasic.chain.BatchShare`)."""
+    row's share of one, `hf_polybasic.decoding.round.BatchShare`)."""
 
     last_seconds: float | None
 

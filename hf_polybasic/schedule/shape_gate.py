@@ -279,7 +279,7 @@ class ShapeGate:
         """Lemma 3.1 with the measured T(k) on a shape's decayed sums, each L_i read as N / F_i
         (tokens the level above emitted per forward of each model: exact when the curves are); None
         when the shape was not measured."""
-        from ..planning.theory import polybasic_time_per_token_with_curves  # (the planning package imports the chain)
+        from ..theory import polybasic_time_per_token_with_curves  # (the planning package imports the chain)
 
         sums = self.evidence(shape)
         above, middle, drafter = self.costs
@@ -307,7 +307,7 @@ class ShapeGate:
             return False
         if outside.rounds == 0:
             return True
-        from ..planning.theory import insertion_test_with_curves  # (the planning package imports the chain)
+        from ..theory import insertion_test_with_curves  # (the planning package imports the chain)
 
         above, middle, drafter = self.costs
         verifications_in = inside.middle_verifications

@@ -21,8 +21,8 @@ import torch
 from tqdm.auto import tqdm
 
 from ..config import PolybasicConfig
-from ..integration import generate as polybasic_generate
-from ..integration import last_stats
+from ..generation import generate as polybasic_generate
+from ..generation import last_stats
 from .bench.prompts import questions_of
 from .harness import process_peak_rss_mib, timed_call
 from .machine import command_line, machine_info

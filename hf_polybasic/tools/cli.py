@@ -96,7 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--target-dtype", choices=["auto", "bf16", "fp32"], default="auto",
                       help="real demo: the target's dtype (auto: measured on this machine)")
     demo.add_argument("--no-pack", action="store_true",
-                      help="real demo: never pack the target's linear layers (hf_polybasic.cpu)")
+                      help="real demo: never pack the target's linear layers (hf_polybasic.models.packed)")
     demo.add_argument("--repeats", type=int, default=3, help="--tiny: timed runs per method; the median is reported")
     demo.add_argument("--seed", type=int, default=0, help="--tiny: seed of the random models and prompt")
     demo.set_defaults(handler=_demo)

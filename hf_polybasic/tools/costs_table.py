@@ -30,7 +30,9 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from .. import compat, four_bit, hardware
+from .. import compat
+from ..models import nf4 as four_bit
+from ..costs import hardware
 from ..costs import MEASURED_TOKENS, CostCurve, measure_curve
 from ..timing import timed
 from . import loading
@@ -130,7 +132,7 @@ def _measure_interleaved(variants, tokens, repeats: int, progress: bool) -> dict
     """Every variant built at once and timed forward by forward: each round times one forward of
     every size for every variant in turn (after two untimed rounds), so a shared machine's load
     hits all of them alike; the medians over rounds."""
-    from ..cache import CachedModel
+    from ..runners.dynamic import CachedModel
     from ..compat import new_dynamic_cache
     from ..costs import CALIBRATION_CONTEXT, machine_description, model_description
 

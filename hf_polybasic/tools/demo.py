@@ -16,7 +16,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from ..config import PolybasicConfig
-from ..integration import generate, last_stats
+from ..generation import generate, last_stats
 from ..levels import early_exit
 from .assisted import assisted_generate, assistant_settings
 from .harness import median_of

@@ -4,7 +4,7 @@ assisted generation, on models built in code (no network, no downloads, no token
 The models (`hf_polybasic.tools.synthetic`): a random target of a real shape (default Llama-3-8B,
 bf16), structured so that its early exits agree with its greedy tokens on a set fraction of
 tokens; its ``draft_layers``-layer exit (the drafter, agreeing on ``draft_agreement``) and its
-half-depth exit (the middle level) share its weights; its int4 copy (`hf_polybasic.int4`: weights
+half-depth exit (the middle level) share its weights; its int4 copy (`hf_polybasic.models.int4`: weights
 of its own, groups of 128, torch's int4 kernels; the paper's middle level) is made from it where
 the device's kernel takes the shape; a `ReferenceDrafter` has a set acceptance rate and a set
 cost. Prompts are token ids of varied lengths; every method decodes the same
@@ -50,7 +50,7 @@ import torch
 from ..compat import ASSISTED_DECODING_TAKES_STATIC_CACHE, accepts_logits_to_keep
 from ..config import PolybasicConfig
 from ..costs import forward_cost, measure_curve
-from ..int4 import DEFAULT_GROUP_SIZE as INT4_GROUP_SIZE
+from ..models.int4 import DEFAULT_GROUP_SIZE as INT4_GROUP_SIZE
 from ..levels import early_exit, quantized_copy
 from ..planning import theory
 from ..timing import synchronize

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from .. import four_bit
+from ..models import nf4 as four_bit
 from ..costs import forward_cost
 from ..drafters import Drafter, PromptLookup
 from ..levels import early_exit, quantized_copy, restricted_vocabulary

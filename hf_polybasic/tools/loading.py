@@ -9,7 +9,7 @@
   when read; the embedding only for the rows of tokens actually used);
 * bfloat16 loads from a bfloat16 copy kept next to the float32 cache, made once by streaming the
   file tensor by tensor (loading float32 and casting would hold both: ~10 GB for the 1.5B);
-* packing (`hf_polybasic.cpu`) and int8 quantization (`hf_polybasic.levels.quantize_linear_layers`)
+* packing (`hf_polybasic.models.packed`) and int8 quantization (`hf_polybasic.models.copies.quantize_linear_layers`)
   go layer by layer and hand each source weight's pages back to the kernel at once
   (`release_file_pages`), so a packed or quantized model never coexists with its full source.
 """
@@ -25,8 +25,8 @@ from pathlib import Path
 
 import torch
 
-from .. import cpu
-from ..levels import quantize_linear_layers
+from ..models import packed as cpu
+from ..models.copies import quantize_linear_layers
 from . import models
 
 BF16_SUFFIX = "-bf16"
@@ -164,7 +164,7 @@ def _tokenizer(path: Path):
 
 
 def pack(model: torch.nn.Module) -> torch.nn.Module:
-    """`hf_polybasic.cpu.pack_linear_layers`, with the file pages of every linear weight handed back
+    """`hf_polybasic.models.packed.pack_linear_layers`, with the file pages of every linear weight handed back
     first and each one's again right after it is packed: packing then reads one layer at a time from
     the file, so memory holds the packed layers and one source layer, never both models."""
     for module in model.modules():

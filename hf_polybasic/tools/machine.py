@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from ..hardware import describe_machine
+from ..costs.hardware import describe_machine
 
 
 def command_line() -> str:

@@ -77,7 +77,7 @@ def build_model_set(
     pack_target: bool = False,
 ) -> ModelSet:
     """The target, tokenizer and the pool entries in ``needs``; ``pack_target`` swaps the target's
-    linear layers for oneDNN-packed ones (`hf_polybasic.cpu`: same products, cheaper small batches).
+    linear layers for oneDNN-packed ones (`hf_polybasic.models.packed`: same products, cheaper small batches).
 
     With ``load=False`` nothing is loaded: the models are None and only the names and the
     description are filled in (enough to describe a run, e.g. to rebuild a report).
@@ -112,7 +112,7 @@ def build_model_set(
         else:
             _load_qwen(model_set, target_dtype, cache_dir)
         if pack_target:
-            from .. import cpu
+            from ..models import packed as cpu
 
             cpu.pack_linear_layers(model_set.target)
     return model_set

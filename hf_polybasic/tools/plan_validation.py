@@ -6,7 +6,7 @@ repeats outermost so that drift of a shared machine hits every configuration ali
 predicted vs measured speedups, the planner's choice vs the best measured configuration, the
 cost-aware schedule against the best static setting of each chain, and the paper's Table 1 for
 every insertion of a middle model (`insertion_rows`), with measured acceptance lengths read as in
-`hf_polybasic.planning.theory.TimeModelInputs` (N / F_i).
+`hf_polybasic.theory.TimeModelInputs` (N / F_i).
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ import torch
 from tqdm.auto import tqdm
 
 from ..config import PolybasicConfig
-from ..integration import generate as polybasic_generate
-from ..integration import last_stats
+from ..generation import generate as polybasic_generate
+from ..generation import last_stats
 from ..planning import TARGET, ChainPrediction, Plan, Profile, predict, theory
 from .harness import timed_call
 from .model_sets import Pool

@@ -1,9 +1,9 @@
 """``hf-polybasic demo``: a real chain on this machine, chosen for this machine, against plain `generate`.
 
-1. What kind of machine this is (`hf_polybasic.hardware`), and what a linear layer of the target's
+1. What kind of machine this is (`hf_polybasic.costs.hardware`), and what a linear layer of the target's
    shape costs here for 1 row (a decoding step) and 8 rows (a verification), per dtype and kernel.
 2. The target's dtype and kernel follow from those measurements (`choose_target`): the fastest,
-   bfloat16 when it is about as fast (half the memory). Packed kernels (`hf_polybasic.cpu`) are
+   bfloat16 when it is about as fast (half the memory). Packed kernels (`hf_polybasic.models.packed`) are
    used when they are the fast ones: opted in here, said so, and measured against the same model
    unpacked.
 3. Models load with as little memory as their use needs (`hf_polybasic.tools.loading`): the peak
@@ -20,9 +20,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import hardware
+from ..costs import hardware
 from ..drafters import PromptLookup
-from ..integration import generate, last_stats
+from ..generation import generate, last_stats
 from . import loading, models
 from .harness import process_peak_rss_mib, timed_call
 from .model_sets import QWEN_DRAFT, QWEN_TARGET

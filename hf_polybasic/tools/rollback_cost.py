@@ -1,7 +1,7 @@
 """``hf-polybasic rollback-cost``: what rolling back a hybrid model's recurrent state costs per round.
 
 A verification round of a hybrid model that scores k drafts and keeps j of them costs, beyond the
-verification forward itself (`hf_polybasic.recurrent`):
+verification forward itself (`hf_polybasic.runners.recurrent`):
 
 * the copy of every recurrent and convolution state before the forward (every round);
 * when j < k, the restore of the copy (the layers take the copy's tensors; the attention layers
@@ -28,8 +28,9 @@ from pathlib import Path
 
 import torch
 
-from .. import compat, hardware
-from ..cache import CachedModel
+from .. import compat
+from ..costs import hardware
+from ..runners.dynamic import CachedModel
 
 CONTEXT = 64
 

@@ -31,7 +31,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="dtype of the target (fp32 keeps greedy equality checks meaningful)")
     parser.add_argument("--pack-target", action="store_true",
                         help="oneDNN-packed linear layers in the target for every method, plain included "
-                        "(hf_polybasic.cpu; on CPUs where small batches are slow in MKL)")
+                        "(hf_polybasic.models.packed; on CPUs where small batches are slow in MKL)")
     parser.add_argument("--methods", type=_names, default=None,
                         help=f"comma-separated method names (default: {','.join(DEFAULT_METHODS)}); plain is "
                         "always run, as the baseline; see --list-methods")

@@ -28,8 +28,8 @@ import torch
 
 from ...config import PolybasicConfig
 from ...drafters import Drafter, PromptLookup
-from ...integration import generate as polybasic_generate
-from ...integration import last_stats
+from ...generation import generate as polybasic_generate
+from ...generation import last_stats
 from ...stats import PolybasicStats
 from ..assisted import assisted_generate, assistant_settings
 from ..model_sets import ModelSet
@@ -263,11 +263,11 @@ RECIPES: dict[str, Recipe] = {
         _chain("ours-mid-draft-lookup", ("mid", "draft", "lookup")),
         _chain("ours-mid-draft-lookup-auto", ("mid", "draft", "lookup"), "cost_aware"),
         _chain("ours-mid-lookup", ("mid", "lookup")),
-        # the paper's shape: a 4-bit copy of the target as the middle level (hf_polybasic.int4, .four_bit)
+        # the paper's shape: a 4-bit copy of the target as the middle level (hf_polybasic.models.int4, .four_bit)
         _chain("ours-midnf4-draft-auto", ("mid-nf4", "draft"), "cost_aware"),
         _chain("ours-midnf4-draft-lookup-auto", ("mid-nf4", "draft", "lookup"), "cost_aware"),
         _chain("ours-midint4-draft-auto", ("mid-int4", "draft"), "cost_aware"),
-        # the drafter with its output layer restricted to 32k / 64k ids (hf_polybasic.vocab_head)
+        # the drafter with its output layer restricted to 32k / 64k ids (hf_polybasic.models.vocab_head)
         *(
             _chain(f"ours-{key}{suffix}", (key, *lookup), schedule)
             for key in ("draft-h32k", "draft-h64k")

@@ -3,14 +3,14 @@
 A hybrid model interleaves attention layers with layers that fold every token into a fixed-size
 state: Gated DeltaNet linear attention (Qwen3-Next, Qwen3.5, OLMo hybrid), Mamba-2 (Bamba,
 Falcon-H1, Nemotron-H, Granite 4.0-H, Zamba 2), Mamba (Jamba) and short convolutions (LFM2).
-Attention keys/values are cut token by token (`hf_polybasic.cache`); a recurrent state cannot be
+Attention keys/values are cut token by token (`hf_polybasic.runners.dynamic`); a recurrent state cannot be
 cut: the tokens it has absorbed cannot be taken out again.
 
 How it is put back (`StateHistory`): before each forward of such a model its recurrent and
 convolution states are copied, with the number of tokens they hold. A rollback to L tokens restores
 the latest copy taken at P <= L tokens, cuts the attention layers to P as well, and sets the
 model's cached length to P; its next forward then feeds tokens P..L again as part of its input
-(`hf_polybasic.cache.CachedModel` feeds whatever its cache lacks). So every state, recurrent or
+(`hf_polybasic.runners.dynamic.CachedModel` feeds whatever its cache lacks). So every state, recurrent or
 attention, is always exactly what feeding the kept tokens makes it, computed by transformers' own
 layer code, and no forward pass is added: the next one is a few tokens longer. A verification
 that keeps all drafts restores nothing. Copies older than the last `commit` are dropped (no
@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import compat
+from .. import compat
 
 # A context of this many tokens or more before the positions whose logits are asked (a prompt) is
 # fed in a forward of its own first, so that a rejected draft makes the next forward re-feed the
@@ -187,7 +187,7 @@ def covered_kinds() -> str:
 def check_rollback_support(model: torch.nn.Module, cache, role: str, layers: list[RecurrentLayer]) -> None:
     """Raise a clear error, naming the layer and its kind, unless every recurrent layer of ``model``
     (``layers``, from `recurrent_layers`) can be rolled back with ``cache``, and every other layer
-    of ``cache`` is one `hf_polybasic.cache` cuts."""
+    of ``cache`` is one `hf_polybasic.runners.dynamic` cuts."""
     for layer in layers:
         if not layer.kind.covered:
             raise ValueError(

@@ -1,6 +1,6 @@
 """The bottom of a chain: a model that drafts token by token, or a `Drafter` behind an adapter.
 
-Both implement `hf_polybasic.protocol.Level`. What they report with each token is the distribution
+Both implement `hf_polybasic.decoding.protocol.Level`. What they report with each token is the distribution
 it was drawn from (the *processed* one: reporting raw logits would make the chain lossy under
 top-k/top-p/temperature) or nothing for point masses (greedy drafts, n-gram lookups).
 """
@@ -11,13 +11,13 @@ from dataclasses import dataclass
 
 import torch
 
-from .drafters import Drafter
+from ..drafters import Drafter
 from .processing import DecodingRules, process_positions
 from .protocol import Block, Proposal, Runner
-from .schedule import Schedule
-from .stats import LevelStats
-from .timing import DEFAULT_CLOCK, Clock, timed
-from .transfer import reads_wait
+from ..schedule import Schedule
+from ..stats import LevelStats
+from ..timing import DEFAULT_CLOCK, Clock, timed
+from ..runners.transfer import reads_wait
 
 PROBABILITY_SUM_TOLERANCE = 1e-3
 # Where reads wait for the device, a schedule that stops by confidence drafts this many tokens in

@@ -14,11 +14,11 @@ from typing import TYPE_CHECKING, Union
 
 import numpy as np
 
-from ...costs import interpolate_cost
+from ..costs import interpolate_cost
 from .checks import ArrayLike, acceptance_length, as_result, nonnegative, positive, scalar
 
 if TYPE_CHECKING:
-    from ...stats import PolybasicStats
+    from ..stats import PolybasicStats
 
 
 def _chain(costs: ArrayLike, acceptance_lengths: ArrayLike, beta: ArrayLike):

@@ -19,10 +19,10 @@ and every logits processor sees the vocabulary it expects. S is
 Why the chain stays lossless: greedy, the verifier's argmax decides every token, so a proposal only
 changes how many are accepted. Sampling, the drafter samples from its restricted *processed*
 distribution (softmax over S after the processors) and reports exactly that as q, so speculative
-sampling is exact (`hf_polybasic.verify`); ids outside S have q = 0 and are only ever emitted by the
+sampling is exact (`hf_polybasic.decoding.acceptance`); ids outside S have q = 0 and are only ever emitted by the
 level above. A position where the processors leave no id of S finite (a forced token, a prefix
 constraint or bad words outside S) has no distribution to draw from: the drafter ends its proposal
-there and the level above decodes that token itself (`hf_polybasic.drafting.ModelDrafter`).
+there and the level above decodes that token itself (`hf_polybasic.decoding.drafting.ModelDrafter`).
 
 As an intermediate level the view stays exact: what it emits is an exact sample of its own
 restricted distribution, which is what it reports upward as q, and the target decides. But a
@@ -32,7 +32,7 @@ leave no id of S would stop the call; with such processors (``prefix_allowed_tok
 
 The restricted layer keeps the original's kind: a float ``nn.Linear`` multiplies a view of its
 weight (no copy when S's ranked part is a prefix of the ids), a dynamic int8 layer multiplies an
-int8 sub-matrix with the same per-row scales, a oneDNN-packed layer (`hf_polybasic.cpu`) a packed
+int8 sub-matrix with the same per-row scales, a oneDNN-packed layer (`hf_polybasic.models.packed`) a packed
 sub-matrix; on S its logits are the original's (up to the order of summation). Rows added later
 come from the weight itself (float), else from the tied input embedding when it reproduces the
 layer exactly (checked once), else from one unpacked copy of the layer's weight kept for them
@@ -50,10 +50,10 @@ from typing import Any
 
 import torch
 
-from . import compat
-from .cpu import PackedLinear
+from .. import compat
+from .packed import PackedLinear
 from .modules import module_view
-from .vocabulary import as_id_list
+from ..vocabulary import as_id_list
 
 __all__ = ["RestrictedLinear", "drafting_view", "restricted_vocabulary"]
 
@@ -147,7 +147,7 @@ class _Int8Rows:
 
 
 class _PackedRows:
-    """Rows of a oneDNN-packed layer (`hf_polybasic.cpu.PackedLinear`), packed again for the block.
+    """Rows of a oneDNN-packed layer (`hf_polybasic.models.packed.PackedLinear`), packed again for the block.
     Rows come from the tied input embedding when it holds the same weights, else from one dense copy."""
 
     def __init__(self, head: PackedLinear, embedding: torch.Tensor | None):
@@ -185,7 +185,7 @@ def _row_source(head: torch.nn.Module, embedding: torch.Tensor | None):
     raise TypeError(
         f"restricted_vocabulary: the output layer is a {type(head).__name__}; supported are float nn.Linear, "
         "dynamic int8 (hf_polybasic.levels.quantized_copy(model, 'int8-dynamic')) and oneDNN-packed "
-        "(hf_polybasic.cpu.pack_linear_layers) layers"
+        "(hf_polybasic.models.packed.pack_linear_layers) layers"
     )
 
 

@@ -1,13 +1,13 @@
 """The decode loop: the target's verifications, emission and stopping, for a batch of rows.
 
-The target is the top `hf_polybasic.chain.Verifier`; each `verify` is one target forward pass over
+The target is the top `hf_polybasic.decoding.round.Verifier`; each `verify` is one target forward pass over
 every live row's proposal. This module is the only place tokens are emitted and stopping is
 decided: each row's emitted tokens are checked against the stopping criteria one by one, so EOS,
 `stop_strings` and custom criteria stop a row at the same token as plain `generate`, even in the
 middle of a round, and the length budget is never exceeded because no level proposes past it.
 A row that stops leaves the batch's work (it is asked for nothing more). After every round each
 cache holds at most each row's output minus its last token (exactly that, except that a hybrid
-model's may hold fewer: `hf_polybasic.recurrent`), and a returned ``past_key_values`` holds exactly
+model's may hold fewer: `hf_polybasic.runners.recurrent`), and a returned ``past_key_values`` holds exactly
 that (transformers' convention), so it can be continued.
 
 Rows are decoded together, each without its left padding (its own positions, processors shifted
@@ -27,18 +27,18 @@ import torch
 from transformers.generation import (EosTokenCriteria, LogitsProcessorList, MaxLengthCriteria, MaxTimeCriteria,
                                      StoppingCriteriaList)
 
-from .recurrent import batch_refusal_reason, settle
-from .chain import ChainParts, Verifier, build_chain, level_names
-from .costs import CostCurves
-from .drafters import Drafter
-from .probe import check_cache, rows_problem
+from ..runners.recurrent import batch_refusal_reason, settle
+from .round import ChainParts, Verifier, build_chain, level_names
+from ..costs import CostCurves
+from ..drafters import Drafter
+from ..runners.probe import check_cache, rows_problem
 from .processing import DecodingRules, processors_for_row
-from .request import Request
-from .schedule import BatchGate
-from .static import StaticRunner, capacity_for
-from .stats import PolybasicStats
-from .timing import DEFAULT_CLOCK, Clock, timed
-from .vocabulary import warn_if_levels_disagree
+from ..request import Request
+from ..schedule import BatchGate
+from ..runners.static import StaticRunner, capacity_for
+from ..stats import PolybasicStats
+from ..timing import DEFAULT_CLOCK, Clock, timed
+from ..vocabulary import warn_if_levels_disagree
 
 
 @dataclass
@@ -157,9 +157,9 @@ class HostStops:
 def row_by_row_reason(target: torch.nn.Module, assistants: list, use_cache: bool = True) -> str | None:
     """Why the rows of a batch cannot share forwards, or None: without a cache each forward
     recomputes its rows' whole sequences; a `Drafter` that keeps state serves one row; a model
-    with recurrent layers (`hf_polybasic.recurrent.batch_refusal_reason`: a shared forward would
+    with recurrent layers (`hf_polybasic.runners.recurrent.batch_refusal_reason`: a shared forward would
     advance its state over the other rows' holes) or whose rows would see each other's cache layout
-    (`hf_polybasic.probe.rows_problem`: windowed attention, a forward that fails on holes, or for the
+    (`hf_polybasic.runners.probe.rows_problem`: windowed attention, a forward that fails on holes, or for the
     target, whose logits decide the output, positions taken from the cache's layout) decodes each
     row alone."""
     if not use_cache:
@@ -203,7 +203,7 @@ def decode_rows(
     """Decode the request's rows, together where they can share forwards (`row_by_row_reason`),
     else one by one; the rows' results and the call's statistics. ``costs`` are the cost curves the
     cost-aware schedule uses (and refreshes). Every model that decodes on a cache is checked first
-    (`hf_polybasic.probe.check_cache`)."""
+    (`hf_polybasic.runners.probe.check_cache`)."""
     use_cache = request.caches[0] is not None
     names = level_names(target, request.assistants)  # the roles the chain names its models by
     roles = [f"target {names[0]}"] + [f"assistant_models[{i}] ({names[i + 1]})" for i in range(len(request.assistants))]

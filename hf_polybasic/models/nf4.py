@@ -4,7 +4,7 @@ The paper's middle level is a 4-bit copy of the target: it agrees with the targe
 reads a quarter of its bytes, which is what a decoding step mostly pays for. `quantized_copy` makes
 it two ways:
 
-* ``"int4"``: int4 weight-only through torch's own int4 kernels (`hf_polybasic.int4`: tinygemm on a
+* ``"int4"``: int4 weight-only through torch's own int4 kernels (`hf_polybasic.models.int4`: tinygemm on a
   CUDA GPU, its AVX-512/AVX2 twin on the CPU). Nothing to install; it used torchao before, which runs
   the same CPU kernel and is no longer needed.
 * ``"nf4"``: **bitsandbytes** (>= 0.50, optional: ``pip install "hf_polybasic[quant4]"``), NF4 (or

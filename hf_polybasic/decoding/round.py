@@ -2,15 +2,15 @@
 
 A chain M1 > M2 > ... > Mn is built bottom-up (`build_chain`):
 
-* the bottom is a drafter (`hf_polybasic.drafting`): a model drafting K tokens, or a `Drafter`;
+* the bottom is a drafter (`hf_polybasic.decoding.drafting`): a model drafting K tokens, or a `Drafter`;
 * every model above it is a `Verifier` over the level below: one forward pass scores a whole
-  proposal, `hf_polybasic.verify` decides what is accepted (the one place that happens), and the
+  proposal, `hf_polybasic.decoding.acceptance` decides what is accepted (the one place that happens), and the
   rejected tail is rolled back; an intermediate model is an `IntermediateLevel`, which repeats
   verifications until it holds mu tokens and hands them up as *its* proposal, together with the
   processed distribution each token was drawn from. The target M1 is the top `Verifier`; the engine
   runs one verification of it at a time and emits the result.
 
-Why the chain is lossless: by `hf_polybasic.verify`, the tokens a verifier emits are an
+Why the chain is lossless: by `hf_polybasic.decoding.acceptance`, the tokens a verifier emits are an
 autoregressive sample of its own processed distribution p_i (greedy: its argmax continuation),
 whatever the level below proposed. So the block M_i hands up really is drawn from the q = p_i it
 reports, which is exactly what the level above needs for its own verification to be exact. By
@@ -27,23 +27,24 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .cache import CachedModel, model_label
-from .compat import cached_tokens, new_dynamic_cache
-from .config import MAX_BLOCK_THRESHOLD, MAX_DRAFT_TOKENS, PolybasicConfig
-from .costs import CostCurves, CostEstimate
-from .drafters import AddedPromptLookup, Drafter
+from ..labels import model_label
+from ..runners.dynamic import CachedModel
+from ..compat import cached_tokens, new_dynamic_cache
+from ..config import MAX_BLOCK_THRESHOLD, MAX_DRAFT_TOKENS, PolybasicConfig
+from ..costs import CostCurves, CostEstimate
+from ..drafters import AddedPromptLookup, Drafter
 from .drafting import DrafterLevel, ModelDrafter, ScheduledRows
 from .processing import DecodingRules, process_positions
 from .protocol import Block, Level, Proposal, Runner
-from .schedule import BatchGate, Schedule, ShapeGate, make_schedule
-from .schedule.calibration import remembered as remembered_calibration
-from .schedule.shape_gate import BYPASSED, DROPPED
-from .probe import compile_problem, static_problem
-from .static import StaticRunner
-from .stats import LevelStats, PolybasicStats
-from .timing import DEFAULT_CLOCK, Clock, timed
-from .verify import greedy_decision, speculative_decision
-from .vocab_head import NOTHING_TO_SAMPLE
+from ..schedule import BatchGate, Schedule, ShapeGate, make_schedule
+from ..schedule.calibration import remembered as remembered_calibration
+from ..schedule.shape_gate import BYPASSED, DROPPED
+from ..runners.probe import compile_problem, static_problem
+from ..runners.static import StaticRunner
+from ..stats import LevelStats, PolybasicStats
+from ..timing import DEFAULT_CLOCK, Clock, timed
+from .acceptance import greedy_decision, speculative_decision
+from ..models.vocab_head import NOTHING_TO_SAMPLE
 
 
 @dataclass
@@ -123,7 +124,7 @@ class Verifier:
         return rounds
 
     def _decide(self, proposal: Proposal, scores: torch.Tensor) -> torch.Tensor:
-        """The one place a row's drafts are accepted (`hf_polybasic.verify`): ``[accepted, next token]``
+        """The one place a row's drafts are accepted (`hf_polybasic.decoding.acceptance`): ``[accepted, next token]``
         on the device."""
         if self.samples:
             return speculative_decision(proposal.tokens, proposal.probs, scores.softmax(-1))
@@ -318,7 +319,7 @@ class IntermediateLevel(ScheduledRows):
 
 @dataclass(frozen=True)
 class ChainParts:
-    """The classes a chain is built from. `hf_polybasic.integration.make_generate` takes another set:
+    """The classes a chain is built from. `hf_polybasic.generation.make_generate` takes another set:
     tests inject deliberately wrong levels to prove that the distribution tests can fail."""
 
     model_drafter: type = ModelDrafter

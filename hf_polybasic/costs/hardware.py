@@ -18,8 +18,8 @@ from collections.abc import Sequence
 
 import torch
 
-from . import compat
-from .timing import DEFAULT_CLOCK, Clock, timed
+from .. import compat
+from ..timing import DEFAULT_CLOCK, Clock, timed
 
 # CPU flags that decide which kernels torch and oneDNN can use
 RELEVANT_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_int8",
@@ -102,9 +102,9 @@ def measure_linear(
 ) -> dict[str, dict[int, float]]:
     """Median seconds of one ``[rows, in] @ [in, out]`` product per (dtype, kernel): ``"fp32"``,
     ``"bf16"`` (torch's default kernels) and, where oneDNN supports the dtype, ``"fp32 packed"`` /
-    ``"bf16 packed"`` (`hf_polybasic.cpu`), timed with ``clock``. A second or so for a layer of a
+    ``"bf16 packed"`` (`hf_polybasic.models.packed`), timed with ``clock``. A second or so for a layer of a
     1.5B model."""
-    from .cpu import PackedLinear
+    from ..models.packed import PackedLinear
 
     results: dict[str, dict[int, float]] = {}
     generator = torch.Generator().manual_seed(0)

@@ -8,11 +8,11 @@ A chain relies on properties that a model's class does not state and some models
   every step (CPM-Ant) fail it; a chain over them would emit other tokens than plain `generate`,
   so they are refused before decoding.
 * **a row's logits ignore the other rows and the holes** (`rows_problem`): the rows of a batch
-  share forwards through one cache with holes (`hf_polybasic.cache.CachedModel`); a model that
+  share forwards through one cache with holes (`hf_polybasic.runners.dynamic.CachedModel`); a model that
   takes positions from the cache's physical length instead of ``position_ids`` (TrOCR) or whose
   window counts slots would see another row's layout. Such a batch is decoded row by row.
 * **its logits on a static cache are its logits** (`static_problem`): the static runner
-  (`hf_polybasic.static`) attends over a preallocated cache under a 4-D mask of its own; a model
+  (`hf_polybasic.runners.static`) attends over a preallocated cache under a 4-D mask of its own; a model
   that builds its own mask or position bias from a 2-D one (BLOOM) or has windowed or recurrent
   layers keeps the dynamic runner. So does a model with dynamically quantized int8 layers: one
   activation scale per forward lets the pad tokens of a padded width change its logits, which the
@@ -33,9 +33,11 @@ import weakref
 
 import torch
 
-from . import compat
-from .cache import CachedModel, check_rollback_support, input_vocabulary_size, model_label
-from .vocab_head import dynamic_int8_type
+from .. import compat
+from ..labels import model_label
+from ..vocabulary import input_vocabulary_size
+from .dynamic import CachedModel, check_rollback_support
+from ..models.vocab_head import dynamic_int8_type
 
 # A probe's logits count as different from the reference when they are off by more than a share of
 # the reference's largest logit (`TOLERANCE`, by the model's dtype: the rounding of a forward over a
@@ -112,7 +114,7 @@ def _differs(value: torch.Tensor, reference: torch.Tensor, tolerance: float, nul
     """Whether ``value`` differs from ``reference`` beyond rounding. ``null``, when given, is what the
     model gives without the context (the same tokens fed alone): the error of a model that loses it,
     which a difference must then also approach (`NULL_SHARE`). Logits may be -inf where the model
-    scores no token (`hf_polybasic.vocab_head`): the two must be finite at the same ids."""
+    scores no token (`hf_polybasic.models.vocab_head`): the two must be finite at the same ids."""
     finite = torch.isfinite(reference)
     if not torch.equal(torch.isfinite(value), finite):
         return True
@@ -162,7 +164,7 @@ def _check_cache(model: torch.nn.Module) -> str | None:
 
 def check_cache(model: torch.nn.Module, role: str) -> None:
     """Raise a clear error if ``model`` (``role`` names it in the message) cannot roll its cache back
-    (`hf_polybasic.cache.check_rollback_support`) or fails `cache_problem`."""
+    (`hf_polybasic.runners.dynamic.check_rollback_support`) or fails `cache_problem`."""
     check_rollback_support(model, compat.new_dynamic_cache(model), role)
     problem = cache_problem(model)
     if problem is not None:
@@ -229,7 +231,7 @@ def compile_problem(model: torch.nn.Module) -> str | None:
     return None
 
 
-# --- which models a static runner takes (`hf_polybasic.static`) ------------------------------------------
+# --- which models a static runner takes (`hf_polybasic.runners.static`) ------------------------------------------
 def static_problem(model: torch.nn.Module) -> str | None:
     """Why ``model`` cannot decode exactly on a `StaticRunner`, or None (checked once per model):
     recurrent or windowed layers, an attention implementation that takes no explicit mask, or a

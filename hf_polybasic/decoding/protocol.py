@@ -14,8 +14,8 @@ down. Every level below the target implements `Level`:
 
 A level that runs a model drives it through a `Runner`: the model and the cache it decodes on, fed
 incrementally along each row's token sequence. Two kinds serve the same protocol, and the chain
-does not know which it has: `hf_polybasic.cache.CachedModel` (a `DynamicCache`, rolled back by
-cutting its tail) and `hf_polybasic.static.StaticRunner` (a preallocated cache, padded widths,
+does not know which it has: `hf_polybasic.runners.dynamic.CachedModel` (a `DynamicCache`, rolled back by
+cutting its tail) and `hf_polybasic.runners.static.StaticRunner` (a preallocated cache, padded widths,
 compiled forwards).
 
 Vocabulary (the same everywhere in the package):
@@ -35,7 +35,7 @@ from typing import Protocol
 
 import torch
 
-from .stats import LevelStats
+from ..stats import LevelStats
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from .compat import onednn_linear, onednn_pack_weight, onednn_supports
+from ..compat import onednn_linear, onednn_pack_weight, onednn_supports
 from .modules import replace_modules
 
 __all__ = ["PackedLinear", "pack_linear_layers", "supported_dtypes", "unpack_linear_layers"]

@@ -16,25 +16,13 @@ from __future__ import annotations
 
 import torch
 
-from . import compat, recurrent
+from .. import compat
+from . import recurrent
 from .attention import attention_for
 from .transfer import upload
-from .timing import DEFAULT_CLOCK, Clock, ForwardTimer, cuda_devices
-
-
-def model_label(model: torch.nn.Module) -> str:
-    """A short name for error messages and statistics, e.g. 'Qwen2ForCausalLM(qwen2.5-coder-0.5b)'
-    (the last part of ``config.name_or_path``, when there is one)."""
-    name = str(getattr(getattr(model, "config", None), "name_or_path", "") or "").rstrip("/").split("/")[-1]
-    return f"{type(model).__name__}({name})" if name else type(model).__name__
-
-
-def input_vocabulary_size(model: torch.nn.Module) -> int:
-    """How many token ids ``model`` can embed."""
-    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-    if isinstance(embeddings, torch.nn.Embedding):
-        return int(embeddings.num_embeddings)
-    return int(model.config.get_text_config(decoder=True).vocab_size)
+from ..labels import model_label
+from ..vocabulary import input_vocabulary_size
+from ..timing import DEFAULT_CLOCK, Clock, ForwardTimer, cuda_devices
 
 
 def check_rollback_support(model: torch.nn.Module, cache, role: str) -> None:
@@ -43,7 +31,7 @@ def check_rollback_support(model: torch.nn.Module, cache, role: str) -> None:
     ``role`` names the model in messages, e.g. "target M1 LlamaForCausalLM".
     """
     layers = recurrent.recurrent_layers(model)
-    if layers:  # hybrid models: hf_polybasic.recurrent checks them
+    if layers:  # hybrid models: hf_polybasic.runners.recurrent checks them
         recurrent.check_rollback_support(model, cache, role, layers)
         return
     if compat.is_stateful(model):
@@ -104,7 +92,7 @@ class CachedModel:
     grow with the text, not with the history of rejections. Rows that are done leave the cache's
     batch (`release_rows`): later forwards are as wide as the live rows. Sliding-window layers
     cannot skip holes (their window counts slots), so a batch of such a model is decoded row by row
-    (`hf_polybasic.probe.rows_problem`).
+    (`hf_polybasic.runners.probe.rows_problem`).
 
     ``vocab_limit`` is the target's output width: an assistant's logits are cut to it (an assistant
     whose output layer is padded beyond the target's must never propose an id the target does not
@@ -117,7 +105,7 @@ class CachedModel:
             (a `hf_polybasic.costs.CostEstimate` following what forwards cost on this machine now).
         compactions: times a batch's cache was compacted.
         states: for a model with recurrent layers (one row), the copies of their state that a
-            rollback restores (`hf_polybasic.recurrent.StateHistory`: its length may then drop below
+            rollback restores (`hf_polybasic.runners.recurrent.StateHistory`: its length may then drop below
             the one asked, and the next forward re-feeds the difference); else None.
     """
 

@@ -3,7 +3,7 @@
 `generate` is called by transformers' own `GenerationMixin.generate` after it has prepared the
 generation config, the logits processors, the stopping criteria and the length budget, so every
 option users pass to `generate` means what it always means. A call is checked
-(`hf_polybasic.request`), decoded row by row (`hf_polybasic.engine`) and assembled in HF's layout
+(`hf_polybasic.request`), decoded row by row (`hf_polybasic.decoding.loop`) and assembled in HF's layout
 (`hf_polybasic.outputs`).
 """
 
@@ -19,11 +19,11 @@ import torch
 from transformers import GenerationMixin
 from transformers.generation import StoppingCriteriaList, StopStringCriteria
 
-from .chain import ChainParts
+from .decoding.round import ChainParts
 from .compat import stop_recording_past_states, streamer_of_calling_generate, warn_if_untested
 from .config import PolybasicConfig
 from .costs import DEFAULT_COST_CURVES, CostCurves
-from .engine import decode_rows
+from .decoding.loop import decode_rows
 from .outputs import PolybasicGenerateOutput, assemble_output
 from .request import check_request, resolve_config, validate_assistant_models
 from .stats import PolybasicStats

@@ -1,8 +1,8 @@
 """A level's model on a preallocated cache: forwards of a few fixed shapes, so they can be compiled
 (and on a GPU captured as CUDA graphs).
 
-`StaticRunner` serves the same runner protocol as `hf_polybasic.cache.CachedModel`
-(`hf_polybasic.protocol.Runner`): the chain does not know which one it drives.
+`StaticRunner` serves the same runner protocol as `hf_polybasic.runners.dynamic.CachedModel`
+(`hf_polybasic.decoding.protocol.Runner`): the chain does not know which one it drives.
 
 Layout, per row of the batch: the token at position p lives in slot p of the row's part of a
 preallocated cache ``[rows, heads, capacity, head_dim]`` (`SlotCache`). A forward writes each row's
@@ -25,7 +25,7 @@ from the write positions. Hence:
   (`capacity_for`: powers of two), which then replaces the smaller one. Compiling a graph is never
   timed into the cost curves.
 
-Which models it takes is checked, not assumed (`hf_polybasic.probe.static_problem`): attention over
+Which models it takes is checked, not assumed (`hf_polybasic.runners.probe.static_problem`): attention over
 one cache layer kind without windows, no recurrent state, an attention implementation that takes an
 explicit mask (sdpa, eager), and a probe on a few tokens (rollbacks, two rows of different lengths)
 whose logits must equal full forwards'. Anything else keeps the dynamic runner, with the reason said.
@@ -40,10 +40,11 @@ from collections.abc import Callable
 
 import torch
 
-from . import compat
+from .. import compat
 from .attention import attention_for
-from .cache import check_ids, input_vocabulary_size, to_target_vocabulary
-from .timing import DEFAULT_CLOCK, Clock, ForwardTimer, cuda_devices
+from ..vocabulary import input_vocabulary_size
+from .dynamic import check_ids, to_target_vocabulary
+from ..timing import DEFAULT_CLOCK, Clock, ForwardTimer, cuda_devices
 from .transfer import upload
 
 # Widths a forward is padded to (tokens per row); a wider one runs as several forwards of the
@@ -266,7 +267,7 @@ def return_cache(model, cache: SlotCache) -> None:
 
 class StaticRunner:
     """A causal LM on a `SlotCache`, fed incrementally along the token sequences of ``rows`` rows,
-    with the interface of `hf_polybasic.cache.CachedModel` (see the module docstring for the layout).
+    with the interface of `hf_polybasic.runners.dynamic.CachedModel` (see the module docstring for the layout).
 
     ``compiled``: forwards of a bucketed width run through ``torch.compile`` (one graph per bucket and
     batch size, made once per model). ``capacity``: slots per row, at least the longest sequence the
@@ -397,7 +398,7 @@ class StaticRunner:
         tokens first, then pads (rows not asked: pads only), every token at slot = its position; a
         pad's position is its row's last real one (pads past a learned position table stay in range).
         Built on the host from the lengths it knows: nothing is read back from the device, and the
-        positions and slots go up without the host waiting (`hf_polybasic.transfer.upload`)."""
+        positions and slots go up without the host waiting (`hf_polybasic.runners.transfer.upload`)."""
         if max(self.lengths) + width > self.capacity:
             raise RuntimeError(
                 f"{self.role}: a forward would write slot {max(self.lengths) + width - 1} of a static cache of "
