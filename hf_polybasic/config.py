@@ -23,7 +23,6 @@ from typing import Any, Literal
 import torch
 
 from .compat import mark_as_user_config
-from .schedule import SCHEDULES
 
 VERIFICATION_RULES = ("auto", "greedy")
 # the largest K / mu a varying schedule may reach (or the configured value, if larger)
@@ -31,6 +30,9 @@ MAX_DRAFT_TOKENS = 16
 MAX_BLOCK_THRESHOLD = 32
 
 GENERATION_CONFIG_KEY = "polybasic_config"
+
+# the per-level schedules (`hf_polybasic.schedule`): how many tokens a level proposes per round
+SCHEDULES = ("constant", "heuristic", "cost_aware")
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ import torch
 from transformers import GenerationMixin
 from transformers.generation import StoppingCriteriaList, StopStringCriteria
 
-from .decoding.round import ChainParts
+from .decoding.build import ChainParts
 from .compat import stop_recording_past_states, streamer_of_calling_generate, warn_if_untested
 from .config import PolybasicConfig
 from .costs import DEFAULT_COST_CURVES, CostCurves

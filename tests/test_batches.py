@@ -10,9 +10,10 @@ from scipy.stats import chi2_contingency
 from transformers import StoppingCriteria, StoppingCriteriaList
 
 import hf_polybasic as hp
-from hf_polybasic.decoding.round import ChainParts, Verifier
+from hf_polybasic.decoding.build import ChainParts
+from hf_polybasic.decoding.round import Verifier
 from hf_polybasic.drafters import PromptLookup
-from hf_polybasic.decoding.drafting import ModelDrafter
+from hf_polybasic.decoding.round import ModelDrafter
 from hf_polybasic.generation import make_generate
 from hf_polybasic.testing import EOS, PAD, prompt
 
@@ -256,7 +257,7 @@ def test_rows_that_stop_leave_every_later_forward(shared_models):
 
 
 def test_a_rows_share_of_a_forward_is_priced_over_the_rows_still_live():
-    from hf_polybasic.decoding.round import BatchShare
+    from hf_polybasic.decoding.build import BatchShare
 
     class Runner:
         live_rows = 4
@@ -425,7 +426,7 @@ def test_a_single_row_runner_has_nothing_to_release_or_prefill_repeated(shared_m
 
 
 def test_a_drafter_reporting_nan_log_probs_is_refused():
-    from hf_polybasic.decoding.drafting import check_drafter_output
+    from hf_polybasic.decoding.round import check_drafter_output
 
     log_probs = torch.log(torch.full((2, 8), 1 / 8))
     log_probs[1, 3] = float("nan")

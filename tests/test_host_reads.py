@@ -14,7 +14,8 @@ from test_batches import left_padded
 from torch.overrides import TorchFunctionMode
 
 import hf_polybasic as hp
-from hf_polybasic.decoding import drafting
+from hf_polybasic.decoding import round as levels_round
+from hf_polybasic.decoding.round import next_width
 from hf_polybasic.testing import PAD, cheap_drafting_costs, prompt, simulated_machine
 
 READS = {"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "nonzero", "cpu", "numpy", "equal"}
@@ -133,7 +134,7 @@ def test_reads_per_forward_are_a_constant_in_deeper_chains_and_under_the_cost_aw
 def gpu_rules(monkeypatch):
     """The package decides as on a GPU, where a read waits for the device's queue (the drafter reads
     its drafts once per proposal); the waits are counted on the CPU by `HostWaits`."""
-    monkeypatch.setattr(drafting, "reads_wait", lambda device: True)
+    monkeypatch.setattr(levels_round, "reads_wait", lambda device: True)
 
 
 def _waits(target, assistants, rows, config, new_tokens=48, warm=True, **options):
@@ -184,7 +185,7 @@ def test_the_waits_counter_sees_the_per_token_reads_of_the_cpus_drafter(shared_m
     target, draft = shared_models.chain("llama", 2, seed=79)
     waits, stats = _waits(target, [draft], 1, hp.PolybasicConfig(compile=True), cache_implementation="static")
     assert stats.levels[1].proposed > 2 * stats.levels[0].forward_passes
-    assert waits.where.get("hf_polybasic.decoding.drafting:_keep_step", 0) >= stats.levels[1].proposed
+    assert waits.where.get("hf_polybasic.decoding.round:_keep_step", 0) >= stats.levels[1].proposed
     assert waits.count > 2 * stats.levels[0].forward_passes + 4
 
 
@@ -250,6 +251,6 @@ def test_host_stops_leave_criteria_of_the_users_own_to_the_device():
 def test_the_draft_width_follows_where_the_schedule_cut():
     """A drafter that reads once a proposal drafts the power of two above its last cut (room to draft
     on), twice as far when it kept every token, and never less than half its last width."""
-    assert [drafting.next_width(8, cut) for cut in (1, 2, 3, 4, 5, 7)] == [4, 4, 4, 8, 8, 8]
-    assert [drafting.next_width(4, cut) for cut in (1, 2, 3)] == [2, 4, 4]
-    assert drafting.next_width(4, None) == 8 and drafting.next_width(16, 1) == 8
+    assert [next_width(8, cut) for cut in (1, 2, 3, 4, 5, 7)] == [4, 4, 4, 8, 8, 8]
+    assert [next_width(4, cut) for cut in (1, 2, 3)] == [2, 4, 4]
+    assert next_width(4, None) == 8 and next_width(16, 1) == 8

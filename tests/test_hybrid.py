@@ -21,7 +21,8 @@ from hf_polybasic import compat
 from hf_polybasic.decoding import loop as engine
 from hf_polybasic.runners import recurrent
 from hf_polybasic.runners.dynamic import CachedModel
-from hf_polybasic.decoding.round import ChainParts, Verifier
+from hf_polybasic.decoding.build import ChainParts
+from hf_polybasic.decoding.round import Verifier
 from hf_polybasic.generation import make_generate
 from hf_polybasic.testing import EOS, PAD, make_target, noisy_copy, prompt
 

@@ -42,7 +42,7 @@ from test_batches import left_padded
 from transformers import StoppingCriteriaList, StopStringCriteria
 
 import hf_polybasic as hp
-from hf_polybasic.decoding import drafting
+from hf_polybasic.decoding.round import next_width
 from hf_polybasic.drafters import PromptLookup
 from hf_polybasic.testing import (
     EOS,

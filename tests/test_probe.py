@@ -283,7 +283,7 @@ def test_a_dynamic_int8_model_keeps_the_dynamic_runner_for_its_activation_scale_
     handle.remove()
     assert seen
 
-    from hf_polybasic.decoding import round as chain
+    from hf_polybasic.decoding import build as chain
     chain._warned_runners.discard((model_label(quantized), problem))
     ids = prompt(6, seed=3)
     with warnings.catch_warnings(record=True) as caught:

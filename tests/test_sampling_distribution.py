@@ -23,9 +23,9 @@ from distribution import (
     sample_counts,
 )
 
-from hf_polybasic.decoding.round import ChainParts
+from hf_polybasic.decoding.build import ChainParts
 from hf_polybasic.schedule import batch_gate
-from hf_polybasic.decoding.drafting import ModelDrafter
+from hf_polybasic.decoding.round import ModelDrafter
 from hf_polybasic.generation import make_generate
 from hf_polybasic.testing import cheap_drafting_costs, prompt, simulated_machine
 

@@ -18,11 +18,11 @@ from distribution import (
     sample_counts,
 )
 
-from hf_polybasic.decoding import round as chain_module
-from hf_polybasic.decoding.round import ChainParts
+from hf_polybasic.decoding import build as chain_module
+from hf_polybasic.decoding.build import ChainParts
 from hf_polybasic.config import PolybasicConfig
 from hf_polybasic.costs import CostCurves
-from hf_polybasic.decoding.drafting import ModelDrafter
+from hf_polybasic.decoding.round import ModelDrafter
 from hf_polybasic.generation import make_generate
 from hf_polybasic.levels import early_exit
 from hf_polybasic.decoding.protocol import Proposal
@@ -410,11 +410,11 @@ class SittingOutDrafter(ModelDrafter):
 
     calls = 0
 
-    def propose(self, requests):
+    def propose(self, requests, schedules=None):
         SittingOutDrafter.calls += 1
         if SittingOutDrafter.calls % 2:
             requests = {row: (sequence, 0) for row, (sequence, _) in requests.items()}
-        return super().propose(requests)
+        return super().propose(requests, schedules)
 
 
 def test_rounds_without_proposals_keep_the_target_distribution(distribution_models, exact_distribution):
@@ -430,9 +430,9 @@ class PeekingDrafter(ModelDrafter):
     """Chooses its length after drafting: drops a trailing draft whose own probability is low.
     (transformers' confidence stop keeps that token, which is why it stays exact.)"""
 
-    def propose(self, requests):
+    def propose(self, requests, schedules=None):
         proposals = {}
-        for row, proposal in super().propose(requests).items():
+        for row, proposal in super().propose(requests, schedules).items():
             tokens, probs = proposal.tokens, proposal.probs
             while probs is not None and tokens.shape[0] and probs[-1, tokens[-1]] < 0.25:
                 tokens, probs = tokens[:-1], probs[:-1]

@@ -34,7 +34,7 @@ from hf_polybasic.testing import cheap_drafting_costs, noisy_copy, prompt, simul
 def forget_shapes(monkeypatch):
     """Every test starts without what earlier calls of its models taught (`shape_gate.remembered`,
     the calibrations) and sees the once-per-process warnings afresh."""
-    from hf_polybasic.decoding import round as chain
+    from hf_polybasic.decoding import build as chain
     from hf_polybasic.schedule import calibration
 
     monkeypatch.setattr(shape_gate, "remembered", shape_gate._Memory())
@@ -320,7 +320,7 @@ def _chains(middle, draft):
 
 
 def _fresh_seconds_per_token(target, chain, costs, config=None, seeds=range(3), new_tokens=96):
-    from hf_polybasic.decoding import round as chain_module
+    from hf_polybasic.decoding import build as chain_module
     from hf_polybasic.schedule import calibration
 
     shape_gate.remembered = shape_gate._Memory()

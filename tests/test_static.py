@@ -32,7 +32,7 @@ from hf_polybasic.testing import TINY_ARCHITECTURES, make_target, noisy_copy, pr
 @pytest.fixture(autouse=True)
 def warn_afresh(monkeypatch):
     """Each test sees the chain's once-per-process warnings (another test may have made them)."""
-    from hf_polybasic.decoding import round as chain
+    from hf_polybasic.decoding import build as chain
     monkeypatch.setattr(chain, "_warned_runners", set())
 
 

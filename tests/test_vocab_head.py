@@ -23,8 +23,8 @@ from distribution import (
 import hf_polybasic as hp
 from hf_polybasic import compat
 from hf_polybasic.models import packed as cpu, vocab_head
-from hf_polybasic.decoding.round import ChainParts
-from hf_polybasic.decoding.drafting import ModelDrafter
+from hf_polybasic.decoding.build import ChainParts
+from hf_polybasic.decoding.round import ModelDrafter
 from hf_polybasic.generation import make_generate
 from hf_polybasic.levels import quantized_copy, restricted_vocabulary
 from hf_polybasic.decoding.processing import process_positions
@@ -404,7 +404,7 @@ def test_what_cannot_be_restricted_is_named():
     model.lm_head = torch.nn.utils.parametrizations.weight_norm(torch.nn.Linear(32, 96))  # not a plain nn.Linear
     model.lm_head.out_features = 96
     with pytest.raises(TypeError, match=r"supported are float nn.Linear, dynamic int8 \(hf_polybasic.* and "
-                                        r"oneDNN-packed \(hf_polybasic\.cpu\.pack_linear_layers\) layers"):
+                                        r"oneDNN-packed \(hf_polybasic\.models\.packed\.pack_linear_layers\) layers"):
         restricted_vocabulary(model)
 
 

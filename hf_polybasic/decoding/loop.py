@@ -28,7 +28,8 @@ from transformers.generation import (EosTokenCriteria, LogitsProcessorList, MaxL
                                      StoppingCriteriaList)
 
 from ..runners.recurrent import batch_refusal_reason, settle
-from .round import ChainParts, Verifier, build_chain, level_names
+from .build import ChainParts, build_chain, level_names
+from .round import Verifier
 from ..costs import CostCurves
 from ..drafters import Drafter
 from ..runners.probe import check_cache, rows_problem
@@ -78,7 +79,7 @@ def decode(
             sequences[row] = torch.cat([sequences[row], round_.tokens[: kept[row]]])
         # a stop inside the round leaves accepted drafts past the output in the caches: cut them, so
         # every cache holds the output minus its last token when committed
-        top.rollback_to({row: sequences[row].shape[0] - 1 for row in rounds})
+        top.rollback_rows({row: sequences[row].shape[0] - 1 for row in rounds})
         top.commit()
         done = [row for row in rounds if row in finished or sequences[row].shape[0] >= max_lengths[row]]
         if done and len(done) < len(live):  # rows that are done leave every later forward

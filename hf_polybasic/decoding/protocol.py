@@ -3,12 +3,13 @@
 A chain M1 > M2 > ... > Mn is a stack of levels; data flows one way, proposals up and rollbacks
 down. Every level below the target implements `Level`:
 
-* ``propose({row: (sequence, budget)}) -> {row: Proposal}``: tokens to follow each row's
-  ``sequence`` (at most its ``budget``); the rows share the level's forwards;
+* ``propose({row: (sequence, budget)}, schedules=None) -> {row: Proposal}``: tokens to follow each
+  row's ``sequence`` (at most its ``budget``), under the level's own schedules or the ``schedules``
+  the level above passes for this round; the rows share the level's forwards;
 * ``verified({row: kept}, seconds)``: the level above kept the first ``kept`` tokens of each row's
   last proposal (each row's share of the verification took ``seconds``); the level rolls itself and everything below
   back to them and updates each row's schedule;
-* ``rollback_to({row: length})`` / ``commit()``: forget each row's tokens past ``length`` /
+* ``rollback_rows({row: length})`` / ``commit()``: forget each row's tokens past ``length`` /
   everything so far is final (the target verified it), here and below;
 * ``release_rows(rows)``: these rows are done; they leave every later forward, here and below.
 
@@ -181,11 +182,14 @@ class Level(Protocol):
 
     stats: LevelStats
 
-    def propose(self, requests: dict[int, tuple[torch.LongTensor, int]]) -> dict[int, Proposal]: ...
+    def propose(self, requests: dict[int, tuple[torch.LongTensor, int]],
+                schedules: dict | None = None) -> dict[int, Proposal]: ...
+
+    def proposed(self, row: int) -> int: ...
 
     def verified(self, kept: dict[int, int], seconds: float) -> None: ...
 
-    def rollback_to(self, lengths: dict[int, int]) -> None: ...
+    def rollback_rows(self, lengths: dict[int, int]) -> None: ...
 
     def commit(self) -> None: ...
 

@@ -1,50 +1,70 @@
-"""The recursive chain: verifiers over the level below, and how a chain is assembled.
+"""One round of the whole chain, top to bottom: the levels that propose and verify.
 
-A chain M1 > M2 > ... > Mn is built bottom-up (`build_chain`):
+A chain M1 > M2 > ... > Mn (assembled by `hf_polybasic.decoding.build`) is a stack of levels; the
+decode loop (`hf_polybasic.decoding.loop`) asks the target for one round at a time, for every live
+row at once (``{row: (sequence, budget)}``). A round, as this file runs it:
 
-* the bottom is a drafter (`hf_polybasic.decoding.drafting`): a model drafting K tokens, or a `Drafter`;
-* every model above it is a `Verifier` over the level below: one forward pass scores a whole
-  proposal, `hf_polybasic.decoding.acceptance` decides what is accepted (the one place that happens), and the
-  rejected tail is rolled back; an intermediate model is an `IntermediateLevel`, which repeats
-  verifications until it holds mu tokens and hands them up as *its* proposal, together with the
-  processed distribution each token was drawn from. The target M1 is the top `Verifier`; the engine
-  runs one verification of it at a time and emits the result.
+1. **Propose** (`Verifier.verify` asks its ``child``). The level below returns each row's proposal:
+   tokens and the distribution each was drawn from (`Proposal`).
+   a. An `IntermediateLevel` verifies rounds of the level below it (this same recursion, one level
+      down) until each row's block holds mu tokens, an EOS or the budget, and hands the block up.
+      When its shape gate says so it sits the round out: the drafter proposes straight up under the
+      schedules the gate's shape prices (``propose(requests, schedules=...)``, *bypassed*), or the
+      middle model drafts alone (*dropped*).
+   b. A `ModelDrafter` drafts up to K tokens per row, one forward per step for the rows still
+      drafting; its schedule sets K and may stop a row by confidence.
+   c. A `DrafterLevel` asks a model-free `Drafter` (prompt lookup, your own), row by row.
+2. **Score**: one forward of the verifier's runner scores every row's proposal plus one position
+   (`Runner.logits_rows`), and the row's logits processors give the processed scores.
+3. **Decide**: `hf_polybasic.decoding.acceptance` decides each row's ``[accepted, next token]`` on the
+   device (greedy match, or speculative sampling against the reported distributions).
+4. **Read**: one read from the device for all rows (accepted counts, next tokens, confidences).
+5. **Roll back**: the verifier's cache forgets the rejected drafts (`Runner.rollback_rows`); the level
+   below is told what was kept (``child.verified(kept, seconds)``): it rolls back too and its schedules
+   learn. Rollbacks only go down; proposals only go up.
+6. **Hand up** each row's `Round`: the accepted drafts, then the verifier's own token.
 
 Why the chain is lossless: by `hf_polybasic.decoding.acceptance`, the tokens a verifier emits are an
 autoregressive sample of its own processed distribution p_i (greedy: its argmax continuation),
 whatever the level below proposed. So the block M_i hands up really is drawn from the q = p_i it
 reports, which is exactly what the level above needs for its own verification to be exact. By
 induction up the chain, the target emits a sample of its processed distribution (greedy: its own
-greedy output), for any number of levels, any K and any mu.
+greedy output), for any number of levels, any K and any mu. A drafter must therefore report the
+*processed* distribution each token was drawn from (raw logits would make the chain lossy under
+top-k, top-p or temperature), or nothing for point masses (greedy drafts, n-gram lookups).
 """
 
 from __future__ import annotations
 
-import collections
-import warnings
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
-from ..labels import model_label
-from ..runners.dynamic import CachedModel
-from ..compat import cached_tokens, new_dynamic_cache
-from ..config import MAX_BLOCK_THRESHOLD, MAX_DRAFT_TOKENS, PolybasicConfig
-from ..costs import CostCurves, CostEstimate
-from ..drafters import AddedPromptLookup, Drafter
-from .drafting import DrafterLevel, ModelDrafter, ScheduledRows
-from .processing import DecodingRules, process_positions
-from .protocol import Block, Level, Proposal, Runner
-from ..schedule import BatchGate, Schedule, ShapeGate, make_schedule
-from ..schedule.calibration import remembered as remembered_calibration
+from ..drafters import Drafter
+from ..models.vocab_head import NOTHING_TO_SAMPLE
+from ..runners.transfer import reads_wait
+from ..schedule import Schedule, ShapeGate
 from ..schedule.shape_gate import BYPASSED, DROPPED
-from ..runners.probe import compile_problem, static_problem
-from ..runners.static import StaticRunner
-from ..stats import LevelStats, PolybasicStats
+from ..stats import LevelStats
 from ..timing import DEFAULT_CLOCK, Clock, timed
 from .acceptance import greedy_decision, speculative_decision
-from ..models.vocab_head import NOTHING_TO_SAMPLE
+from .processing import DecodingRules, process_positions
+from .protocol import Block, Level, Proposal, Runner
+
+PROBABILITY_SUM_TOLERANCE = 1e-3
+# Where reads wait for the device, a schedule that stops by confidence drafts this many tokens in
+# its first round before its one read, then `next_width`: as many as it last kept, doubled when it
+# kept them all (up to its length), halved at most per round.
+FIRST_WIDTH = 4
+
+
+def next_width(width: int, cut: int | None) -> int:
+    """How far to draft next round after drafting ``width`` tokens and cutting after ``cut`` of them
+    (None: the schedule kept all ``width``): twice as far when nothing was cut, else the power of two
+    above the cut, never below half of ``width``."""
+    if cut is None:
+        return 2 * width
+    return max(1 << cut.bit_length(), width // 2, 1)
 
 
 @dataclass
@@ -62,6 +82,60 @@ class Round:
     logits: torch.Tensor
     ids: list[int] = field(default_factory=list)
     confidences: list[float] | None = None
+
+
+class Proposer:
+    """What every level below the target shares, per row: where its last proposal started and how long
+    it was; what the proposal cost and what the level above kept go to the schedules it was made under
+    (the level's own ``schedules``, or those the level above passed for the round), and the level rolls
+    back to what was kept. A subclass sets ``schedules`` (``{row: Schedule}`` or None) and ``stats``
+    and implements ``propose`` and ``rollback_rows``."""
+
+    schedules: dict[int, Schedule] | None
+    stats: LevelStats
+
+    def __init__(self):
+        self._starts: dict[int, int] = {}
+        self._proposed: dict[int, int] = {}
+        self._active: dict[int, Schedule] | None = None  # the schedules of the last proposal
+
+    def _begin(self, requests: dict[int, tuple[torch.LongTensor, int]],
+               schedules: dict[int, Schedule] | None) -> dict[int, Schedule] | None:
+        """Start a proposal under ``schedules`` (None: the level's own); returns them."""
+        self._active = self.schedules if schedules is None else schedules
+        for row, (sequence, _) in requests.items():
+            self._starts[row] = sequence.shape[0]
+        return self._active
+
+    def proposed(self, row: int) -> int:
+        """How many tokens the last proposal held for ``row``."""
+        return self._proposed[row]
+
+    def _observe(self, blocks: dict[int, Block], seconds: float) -> None:
+        """Each row's proposal is recorded and its schedule learns what it cost: the rows' shared
+        ``seconds`` split by tokens."""
+        total = sum(block.size for block in blocks.values())
+        for row, block in blocks.items():
+            self._proposed[row] = block.size
+            self.stats.proposed += block.size
+            if self._active is not None:
+                self._active[row].observe_proposal(block.size, seconds * block.size / total if total else 0.0)
+
+    def verified(self, kept: dict[int, int], seconds: float) -> None:
+        """The level above kept the first ``kept[row]`` tokens of each row's last proposal (its share of
+        the verification took ``seconds``): the schedules it was made under learn, and the level rolls
+        back to them."""
+        if self._active is not None:
+            for row, count in kept.items():
+                self._active[row].observe_verification(self._proposed[row], count, seconds)
+        self.rollback_rows({row: self._starts[row] + count for row, count in kept.items()})
+
+    def propose(self, requests: dict[int, tuple[torch.LongTensor, int]],
+                schedules: dict[int, Schedule] | None = None) -> dict[int, Proposal]:
+        raise NotImplementedError
+
+    def rollback_rows(self, lengths: dict[int, int]) -> None:
+        raise NotImplementedError
 
 
 class Verifier:
@@ -167,10 +241,10 @@ class Verifier:
         return Round(tokens=tokens, scores=scores[: accepted + 1], logits=logits[: accepted + 1], ids=ids,
                      confidences=confidences)
 
-    def rollback_to(self, lengths: dict[int, int]) -> None:
+    def rollback_rows(self, lengths: dict[int, int]) -> None:
         """Forget everything about each row's tokens past its length, here and in every level below."""
         self.runner.rollback_rows(lengths)
-        self.child.rollback_to(lengths)
+        self.child.rollback_rows(lengths)
 
     def commit(self) -> None:
         """Everything so far is final (the target has verified it), here and below."""
@@ -183,7 +257,7 @@ class Verifier:
         self.child.release_rows(rows)
 
 
-class IntermediateLevel(ScheduledRows):
+class IntermediateLevel(Proposer):
     """A `Verifier` that the level above uses as its proposer: for each row it verifies rounds of the
     level below until the row's block holds at least mu tokens (its schedule's length), an EOS or the
     budget, or its schedule ends it after a token; rows still building share each round's forward.
@@ -212,7 +286,6 @@ class IntermediateLevel(ScheduledRows):
         verifier.confidences = any(schedule.stops_per_token for schedule in schedules.values())
         self.shape_gate, self.bypass_schedules, self.drop_drafter = shape_gate, bypass_schedules, drop_drafter
         self._bypassing = self._dropping = False
-        self._own_schedules = None  # the drafter's schedules, while a bypassed round lends it others
         self._before: tuple[int, ...] | None = None
 
     def _counts(self) -> tuple[int, ...]:
@@ -225,14 +298,13 @@ class IntermediateLevel(ScheduledRows):
         distinct = {id(schedules): schedules for schedules in lent if schedules is not None}.values()
         stops = sum(getattr(schedule, "uncalibrated_answers", 0)
                     for schedules in distinct for schedule in schedules.values())
-        return (self.stats.verifications, self.stats.drafted, self.stats.accepted, child.runner.forward_passes,
+        return (self.stats.verifications, self.stats.drafted, self.stats.accepted, child.forward_passes,
                 self.verifier.runner.forward_passes, stops)
 
     def _bypass(self, requests: dict[int, tuple[torch.LongTensor, int]]) -> dict[int, Proposal]:
-        child = self.verifier.child
-        self._own_schedules, child.schedules = child.schedules, self.bypass_schedules
+        """The drafter proposes straight to the level above, under the schedules priced for that."""
         self._bypassing = True
-        return child.propose(requests)
+        return self.verifier.child.propose(requests, schedules=self.bypass_schedules)
 
     def _drop(self, requests: dict[int, tuple[torch.LongTensor, int]]) -> dict[int, Proposal]:
         self._dropping = True
@@ -245,7 +317,6 @@ class IntermediateLevel(ScheduledRows):
         if self._bypassing:
             proposer, shape = self.verifier.child, BYPASSED
             proposer.verified(kept, seconds)
-            proposer.schedules = self._own_schedules
         elif self._dropping:
             proposer, shape = self.drop_drafter, DROPPED
             proposer.verified(kept, seconds)
@@ -260,21 +331,24 @@ class IntermediateLevel(ScheduledRows):
         # the forwards of the model that drafted, and (in) what the middle level's own rounds did
         forwards, middle = {BYPASSED: (drafter_forwards, (0, 0, 0)), DROPPED: (own_forwards, (0, 0, 0))}.get(
             shape, (drafter_forwards, (verifications, accepted + verifications, drafted)))
-        self.shape_gate.observe(len(kept), sum(kept.values()) + len(kept), sum(proposer._proposed[r] for r in kept),
+        self.shape_gate.observe(len(kept), sum(kept.values()) + len(kept), sum(proposer.proposed(row) for row in kept),
                                 forwards, middle, stops > 0)
 
-    def propose(self, requests: dict[int, tuple[torch.LongTensor, int]]) -> dict[int, Proposal]:
+    def propose(self, requests: dict[int, tuple[torch.LongTensor, int]],
+                schedules: dict[int, Schedule] | None = None) -> dict[int, Proposal]:
+        """Each row's block of at least mu tokens (its schedule's length), built from rounds of the
+        level below; or, in the rounds the shape gate says, the drafter's or this model's drafts."""
         if self.shape_gate is not None:
             self._before = self._counts()
             if self.shape_gate.bypassed:
                 return self._bypass(requests)
             if self.shape_gate.dropped:
                 return self._drop(requests)
+        schedules = self._begin(requests, schedules)
         blocks, thresholds, building = {}, {}, []
         for row, (sequence, budget) in requests.items():
-            thresholds[row] = self.schedules[row].length()
+            thresholds[row] = schedules[row].length()
             blocks[row] = Block(self.verifier.rules[row].eos_token_ids, budget, sequence.device)
-            self._starts[row] = sequence.shape[0]
             if not blocks[row].closed and thresholds[row] > 0:
                 building.append(row)
         with timed(self.clock) as span:  # this level and everything below: what the blocks cost
@@ -289,7 +363,7 @@ class IntermediateLevel(ScheduledRows):
 
     def _extend(self, row: int, block: Block, round_: Round, threshold: int) -> bool:
         """Add a round's tokens to the row's block; whether the row goes on building."""
-        schedule = self.schedules[row]
+        schedule = self._active[row]
         probs = round_.scores.softmax(-1) if self.verifier.samples else None
         before = block.size
         kept = block.extend(round_.tokens, probs, ids=round_.ids)
@@ -307,8 +381,8 @@ class IntermediateLevel(ScheduledRows):
                 return True
         return False
 
-    def rollback_to(self, lengths: dict[int, int]) -> None:
-        self.verifier.rollback_to(lengths)
+    def rollback_rows(self, lengths: dict[int, int]) -> None:
+        self.verifier.rollback_rows(lengths)
 
     def commit(self) -> None:
         self.verifier.commit()
@@ -317,273 +391,256 @@ class IntermediateLevel(ScheduledRows):
         self.verifier.release_rows(rows)
 
 
-@dataclass(frozen=True)
-class ChainParts:
-    """The classes a chain is built from. `hf_polybasic.generation.make_generate` takes another set:
-    tests inject deliberately wrong levels to prove that the distribution tests can fail."""
-
-    model_drafter: type = ModelDrafter
-    drafter_level: type = DrafterLevel
-    intermediate: type = IntermediateLevel
-    verifier: type = Verifier
-
-
-_warned_sat_out: set[tuple[str, bool]] = set()
-
-
-def _warn_sat_out(name: str, reason: str, dropped: bool = False) -> None:
-    """Once per level kind and way: a level the user passed sat out most of a call (a middle level
-    bypassed, or the drafter ``dropped`` while the level above it drafted alone)."""
-    kind = name.split(" ", 1)[-1]
-    if (kind, dropped) not in _warned_sat_out:
-        _warned_sat_out.add((kind, dropped))
-        how = ("The level above it drafted on its own; polybasic_stats says in how many rounds (dropped_rounds)"
-               if dropped else
-               "Its drafts went straight to the level above; polybasic_stats says in how many rounds (bypassed_rounds)")
-        warnings.warn(f"hf_polybasic let {name} sit out: the chain ran faster without it ({reason}). {how}",
-                      UserWarning, stacklevel=6)
-
-
-def level_names(target: torch.nn.Module, assistant_models: Sequence) -> list[str]:
-    """"M1 <target class>", "M2 <class or Drafter repr>", ..., as in the statistics."""
-    return [
-        f"M{i + 1} {repr(m) if isinstance(m, Drafter) else model_label(m)}"
-        for i, m in enumerate([target, *assistant_models])
-    ]
-
-
-class BatchShare:
-    """A row's view of a verifier's costs while the rows still live share each of its forwards
-    (``runner.live_rows``, n: rows that are done have left them): a forward scoring k tokens for
-    each of n rows is priced as one of n k tokens (the machine reads the weights once for all of
-    them), split evenly, T(n k) / n. One row: the curve itself."""
-
-    def __init__(self, estimate, runner):
-        self.estimate, self.runner = estimate, runner
-
-    @property
-    def rows(self) -> int:
-        return max(self.runner.live_rows, 1)
-
-    def seconds(self, tokens: float) -> float:
-        rows = self.rows
-        return self.estimate.seconds(rows * tokens) / rows
-
-    @property
-    def last_seconds(self) -> float | None:
-        last = self.estimate.last_seconds
-        return None if last is None else last / self.rows
-
-
 @dataclass
-class Chain:
-    """A built chain: its top `Verifier` (the target), the call's statistics, and per level its
-    model runner (None for a `Drafter`), per-row schedules (None for the target) and cost estimate
-    (None unless the schedule is cost-aware); for a batch under the cost-aware schedule, its `BatchGate`."""
+class Draw:
+    """One token a model drafted for a row, still on the device: the token ``[1]``, the distribution
+    reported for it (``[1, V]`` when sampling, else None), its probability when asked, and whether
+    the processed scores it came from had any finite value."""
 
-    top: Verifier
-    stats: PolybasicStats
-    runners: list
-    schedules: list
-    estimates: list
-    gate: BatchGate | None = None  # a batch's: whether the level under the target proposes at all
-    shape_gates: dict = field(default_factory=dict)  # level index -> its ShapeGate (whether it takes part)
-    learned: list = field(default_factory=list)  # (proposer, verifier, within, schedules): calibrations to keep
-
-    def finish(self, costs: CostCurves | None = None) -> PolybasicStats:
-        """Fill in what the levels counted (forward passes, rounds sat out, forward costs) and let
-        ``costs`` learn what the forwards of this call cost."""
-        for level, runner, schedules, estimate in zip(self.stats.levels, self.runners, self.schedules, self.estimates):
-            if runner is not None:
-                level.forward_passes = runner.forward_passes
-            if schedules is not None:
-                level.paused_rounds = sum(schedule.paused_rounds for schedule in schedules.values())
-            if estimate is not None:
-                level.forward_costs = estimate.snapshot()
-                if costs is not None:
-                    costs.refresh(runner.model, estimate, runner_kind(runner))
-            if isinstance(runner, StaticRunner):
-                level.runner = "static, compiled" if runner.compiled else "static"
-                level.forward_widths = dict(sorted(collections.Counter(runner.forward_widths).items()))
-                runner.close()
-            elif runner is not None:
-                level.runner = "dynamic"
-        for proposer, verifier, within, schedules in self.learned:  # the row that learned most, for the next call
-            taught = max(schedules.values(), key=lambda schedule: schedule.calibration.observations)
-            remembered_calibration.keep(proposer, verifier, taught.calibration, within)
-        for index, shape in self.shape_gates.items():
-            level, below = self.stats.levels[index], self.stats.levels[index + 1]
-            level.bypassed_rounds, below.dropped_rounds = shape.bypassed_rounds, shape.dropped_rounds
-            if shape.verdict is not None:
-                level.insertion_saving = shape.verdict.time_saved_per_token
-            # sat out beyond the rounds the gate measured the chain without it
-            if shape.bypassed_rounds > shape.probe_rounds[BYPASSED]:
-                level.sat_out = shape.describe()
-                _warn_sat_out(level.name, level.sat_out)
-            if shape.dropped_rounds > shape.probe_rounds.get(DROPPED, 0):
-                below.sat_out = shape.describe_drop()
-                _warn_sat_out(below.name, below.sat_out, dropped=True)
-        return self.stats
+    token: torch.LongTensor
+    probs: torch.Tensor | None
+    confidence: torch.Tensor | None
+    valid: torch.Tensor
 
 
-_warned_runners: set[tuple[str, str]] = set()
+class ModelDrafter(Proposer):
+    """Drafts up to K tokens with a model, sampling from (or taking the argmax of) its processed
+    distribution; each row's schedule sets its K and may stop its draft early, by its confidence in
+    each token. Rows still drafting share one forward per step. On the CPU the drafts are read back
+    after every step and stop there; where a read waits for the device (a GPU) they are read once per
+    proposal, and a block cut by confidence is cut after that read (the tokens past the cut cost a
+    drafter step each, not a wait for the device's whole queue).
+
+    ``samples=False`` drafts by argmax even when the target samples (below a level that verifies
+    greedily); the proposal is then a point mass. ``rules`` and ``schedules`` are per row.
+    """
+
+    def __init__(
+        self,
+        runner: Runner,
+        rules: dict[int, DecodingRules],
+        stats: LevelStats,
+        schedules: dict[int, Schedule],
+        samples: bool,
+        clock: Clock = DEFAULT_CLOCK,
+    ):
+        super().__init__()
+        self.runner, self.rules, self.stats, self.schedules = runner, rules, stats, schedules
+        self.samples = samples
+        self.clock = clock
+        self._widths: dict[int, int] = {}  # per row, how far to draft before the one read (`next_width`)
+
+    @property
+    def forward_passes(self) -> int:
+        return self.runner.forward_passes
+
+    def propose(self, requests: dict[int, tuple[torch.LongTensor, int]],
+                schedules: dict[int, Schedule] | None = None) -> dict[int, Proposal]:
+        """Each row's draft of up to K tokens (its schedule's length, at most its budget)."""
+        schedules = self._begin(requests, schedules)
+        blocks, drafting, widths = {}, [], {}
+        by_confidence = [row for row in requests if schedules[row].stops_per_token]
+        # where a schedule stops by confidence: on the CPU, read every step and stop there; where a
+        # read waits for the device (`reads_wait`), draft a width and cut the block after one read
+        stepwise = bool(by_confidence) and not reads_wait(self.runner.device)
+        for row, (sequence, budget) in requests.items():
+            blocks[row] = Block(self.rules[row].eos_token_ids, min(schedules[row].length(), budget), sequence.device)
+            widths[row] = blocks[row].budget
+            if row in by_confidence and not stepwise:
+                widths[row] = min(widths[row], self._widths.get(row, FIRST_WIDTH))
+            if not blocks[row].closed:
+                drafting.append(row)
+        drawn: dict[int, list[Draw]] = {row: [] for row in drafting}
+        catch_up = 0.0  # seconds spent feeding tokens decided while this level sat out or was rolled back
+        with self.stats.timed(self.clock) as span:
+            while drafting:
+                grown = {row: torch.cat([requests[row][0], blocks[row].tokens, *(d.token for d in drawn[row])])
+                         for row in drafting}
+                behind = max(grown[row].shape[0] - self.runner.lengths[row] for row in drafting)
+                with timed(self.clock) as forward:
+                    logits = self.runner.logits_rows({row: (grown[row], 1) for row in drafting})
+                if behind > 1:
+                    catch_up += forward.seconds * (behind - 1) / behind
+                for row in drafting:
+                    drawn[row].append(self._draw(row, grown[row], logits[row], row in by_confidence))
+                if stepwise:
+                    drafting = self._keep_step(blocks, drawn, drafting)
+                else:
+                    drafting = [row for row in drafting if blocks[row].size + len(drawn[row]) < widths[row]]
+            if not stepwise:
+                self._keep_all(blocks, drawn, widths)
+        self._observe(blocks, span.seconds - catch_up)
+        return {row: block.proposal() for row, block in blocks.items()}
+
+    def _draw(self, row: int, grown: torch.LongTensor, logits: torch.Tensor, confidence: bool) -> Draw:
+        """The row's next token, drawn on the device: its processed distribution's argmax, or a sample
+        of it; with ``confidence``, its probability. A position where the processors leave no
+        finite score (a constraint outside what this model proposes) draws nothing valid."""
+        logits = logits.to(grown.device)  # [1, V]
+        scores = process_positions(self.rules[row].processors, grown, grown.shape[0], logits)
+        valid = torch.isfinite(scores).any()
+        probs = None
+        if self.samples or confidence:
+            probs = scores.softmax(-1)
+            probs = torch.where(valid, probs, torch.ones_like(probs) / probs.shape[-1])  # never NaN to draw from
+        token = torch.multinomial(probs, 1)[0] if self.samples else scores.argmax(-1)  # [1]
+        reported = self.proposal_probs(probs, logits) if self.samples else None
+        return Draw(token, reported, probs[0, token] if confidence else None, valid)
+
+    def _keep_step(self, blocks: dict[int, Block], drawn: dict[int, list[Draw]], rows: list[int]) -> list[int]:
+        """Read the latest draw of every row back (one read for all: token, validity, confidence), add
+        it to the row's block; the rows that draft another."""
+        latest = [drawn[row].pop() for row in rows]
+        values = torch.stack([torch.stack([d.token[0].double(), d.valid.double(), d.confidence.reshape(()).double()])
+                              for d in latest]).tolist()
+        going = []
+        for row, draw, (token, valid, confidence) in zip(rows, latest, values):
+            if not valid:
+                continue
+            block = blocks[row]
+            block.extend(draw.token, draw.probs, ids=[int(token)])
+            # the token just drawn is kept whatever it is; only whether to draw another depends on it
+            if not block.closed and self._active[row].keep_drafting(confidence):
+                going.append(row)
+        return going
+
+    def _keep_all(self, blocks: dict[int, Block], drawn: dict[int, list[Draw]], widths: dict[int, int]) -> None:
+        """Read every row's draws back at once (token, validity and, where its schedule stops by
+        confidence, the token's probability) and add them to the blocks, each up to its first invalid
+        draw (`Block.extend` cuts after an EOS); a schedule that stops by confidence then cuts the block
+        after the first token it would not have drafted past, as if it had been asked token by token,
+        and the row's next width follows where it cut (`next_width`)."""
+        rows = [row for row in drawn if drawn[row]]
+        if not rows:
+            return
+        packed = []
+        for row in rows:
+            packed += [torch.cat([d.token for d in drawn[row]]).double(), torch.stack([d.valid for d in drawn[row]]).double()]
+            if drawn[row][0].confidence is not None:
+                packed.append(torch.stack([d.confidence.reshape(()) for d in drawn[row]]).double())
+        values = torch.cat(packed).tolist()
+        start = 0
+        for row in rows:
+            count = len(drawn[row])
+            tokens = [int(token) for token in values[start : start + count]]
+            valid = values[start + count : start + 2 * count]
+            start += 2 * count
+            confidences = None
+            if drawn[row][0].confidence is not None:
+                confidences = values[start : start + count]
+                start += count
+            usable = valid.index(0) if 0 in valid else count
+            if not usable:
+                continue
+            block = blocks[row]
+            block.extend(torch.cat([d.token for d in drawn[row][:usable]]),
+                         torch.cat([d.probs for d in drawn[row][:usable]]) if self.samples else None, ids=tokens[:usable])
+            if confidences is not None:
+                self._cut_by_confidence(row, block, confidences, widths[row])
+
+    def _cut_by_confidence(self, row: int, block: Block, confidences: list[float], width: int) -> None:
+        """Ask the row's schedule about each kept token in turn, as `_keep_step` would have after
+        drafting it; end the block after the first it would not have drafted past."""
+        schedule = self._active[row]
+        for index in range(block.size):
+            if block.closed and index == block.size - 1:
+                break  # drafting would have ended here anyway: the schedule is not asked
+            if not schedule.keep_drafting(confidences[index]):
+                block.truncate(index + 1)
+                self._widths[row] = next_width(width, index + 1)
+                return
+        self._widths[row] = next_width(width, None)
+
+    def proposal_probs(self, probs: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        """What is reported upward for a sampled token: the processed distribution it was drawn from."""
+        return probs
+
+    def rollback_rows(self, lengths: dict[int, int]) -> None:
+        self.runner.rollback_rows(lengths)
+
+    def commit(self) -> None:
+        self.runner.commit()
+
+    def release_rows(self, rows) -> None:
+        self.runner.release_rows(rows)
 
 
-def make_runner(model, cache, role: str, config: PolybasicConfig, static: bool, capacity: int | None,
-                vocab_limit: int | None = None, clock: Clock = DEFAULT_CLOCK, rows: int = 1):
-    """The runner a model of the chain decodes with: a `StaticRunner` when the call asks for a static
-    cache or compiled forwards (`PolybasicConfig.compiles`) and the model can (`static_problem`; the
-    cache it would start from is empty), compiled unless hooks on it say not now (`compile_problem`);
-    else a `CachedModel` on ``cache``. What was asked and not done is said in a warning, once per
-    model kind and reason."""
-    compiled = config.compiles(model.device)
-    if not (static or compiled) or capacity is None or cache is None or cached_tokens(cache) != 0:
-        return CachedModel(model, cache, role=role, vocab_limit=vocab_limit, clock=clock, rows=rows)
-    problem = static_problem(model)
-    if problem is None:
-        hooked = compile_problem(model) if compiled else None
-        if hooked is not None:
-            _warn_runner(model, hooked, f"hf_polybasic runs {role} on a static cache, uncompiled: {hooked}")
-        return StaticRunner(model, role, capacity, vocab_limit, clock, rows, compiled=compiled and hooked is None)
-    _warn_runner(model, problem, f"hf_polybasic runs {role} on a dynamic cache" + (", uncompiled" if compiled else "")
-                 + f": {problem}. The other models of the chain run " + ("compiled " if compiled else "")
-                 + "on static caches where they can")
-    return CachedModel(model, cache, role=role, vocab_limit=vocab_limit, clock=clock, rows=rows)
+class DrafterLevel(Proposer):
+    """Adapts a `Drafter` (the public, model-free interface) to the level protocol, checking what it
+    returns; it is asked for each row in turn. A row's ``schedule`` (cost-aware) caps how many tokens
+    it may propose, or sits it out (0: the level above decodes alone) when its drafts do not pay;
+    without one, the drafter's own length holds."""
+
+    def __init__(self, drafter: Drafter, rules: dict[int, DecodingRules], stats: LevelStats,
+                 clock: Clock = DEFAULT_CLOCK, schedules: dict[int, Schedule] | None = None):
+        super().__init__()
+        self.drafter, self.rules, self.stats, self.clock = drafter, rules, stats, clock
+        self.schedules = schedules
+
+    def propose(self, requests: dict[int, tuple[torch.LongTensor, int]],
+                schedules: dict[int, Schedule] | None = None) -> dict[int, Proposal]:
+        schedules = self._begin(requests, schedules)
+        proposals = {}
+        for row, (sequence, budget) in requests.items():
+            schedule = None if schedules is None else schedules[row]
+            if schedule is not None:
+                budget = min(budget, schedule.length())
+            with self.stats.timed(self.clock) as span:
+                tokens, log_probs = self.drafter.propose(sequence.unsqueeze(0), budget)
+                check_drafter_output(type(self.drafter).__name__, tokens, log_probs, budget)
+                block = Block(self.rules[row].eos_token_ids, budget, sequence.device)
+                block.extend(tokens.to(sequence.device), None if log_probs is None else log_probs.exp())
+            self._observe({row: block}, span.seconds)  # timed alone: the row's own seconds
+            proposals[row] = block.proposal()
+        return proposals
+
+    def rollback_rows(self, lengths: dict[int, int]) -> None:
+        for length in lengths.values():  # a batchable Drafter keeps no state; one of one row does
+            self.drafter.rollback_to(length)
+
+    def commit(self) -> None:
+        self.drafter.commit()
+
+    def release_rows(self, rows) -> None:
+        """A `Drafter` serving several rows keeps no state: nothing to release."""
 
 
-def runner_kind(runner) -> str:
-    """"compiled", "static" or "dynamic": the runner a model's forwards go through (its costs differ)."""
-    if isinstance(runner, StaticRunner):
-        return "compiled" if runner.compiled else "static"
-    return "dynamic"
-
-
-def _warn_runner(model, reason: str, message: str) -> None:
-    key = (model_label(model), reason)
-    if key not in _warned_runners:
-        _warned_runners.add(key)
-        warnings.warn(message, UserWarning, stacklevel=7)
-
-
-def build_chain(
-    target: torch.nn.Module,
-    assistant_models: Sequence,
-    config: PolybasicConfig,
-    rules: dict[int, DecodingRules],
-    target_cache,
-    parts: ChainParts = ChainParts(),
-    clock: Clock = DEFAULT_CLOCK,
-    costs: CostCurves | None = None,
-    static: bool = False,
-    capacity: int | None = None,
-) -> Chain:
-    """The chain M1 > M2 > ... > Mn for the rows of ``rules`` (row -> its `DecodingRules`), with a
-    fresh cache for every assistant model and the target's ``target_cache`` (None when
-    ``use_cache=False``). Under the cost-aware schedule every model's cost curve comes from ``costs``
-    (measured on first use), and each row's schedule prices its tokens with its parent's curve as the
-    rows share it (`BatchShare`). ``static`` (the call asked for a static cache) or compiled forwards
-    (`PolybasicConfig.compile`) run each model that can on a `StaticRunner` of ``capacity`` slots
-    per row (`make_runner`)."""
-    rows = sorted(rules)
-    count = len(rows)
-    names = level_names(target, assistant_models)
-    roles = ["target"] + ["intermediate"] * (len(assistant_models) - 1) + ["drafter"]
-    stats = PolybasicStats(levels=[LevelStats(name=name, role=role) for name, role in zip(names, roles)])
-    vocab = target.config.get_text_config(decoder=True).vocab_size
-    greedy_intermediates = config.verification == "greedy"
-    do_sample = rules[rows[0]].do_sample
-    models = [target, *assistant_models]
-    runners = [make_runner(target, target_cache, f"target {names[0]}", config, static, capacity, None, clock, count)] + [
-        None if isinstance(model, Drafter)
-        else make_runner(model, new_dynamic_cache(model), f"assistant_models[{i}] ({names[i + 1]})", config, static,
-                         capacity, vocab, clock, count)
-        for i, model in enumerate(assistant_models)
-    ]
-    estimates = [None] * len(models)
-    if config.schedule == "cost_aware" and costs is not None:
-        for index, runner in enumerate(runners):
-            curve = None if runner is None else costs.curve_for(models[index], clock, measure=config.measure_costs,
-                                                                  runner=runner_kind(runner), capacity=capacity)
-            if curve is not None:  # None: not stored and not to be measured; the schedule goes by the call's timings
-                estimates[index] = runner.cost_observer = CostEstimate(curve)
-    shared = [None if estimate is None else BatchShare(estimate, runner) for estimate, runner in zip(estimates, runners)]
-    # rows of a batch: whether the level under the target proposes at all is the batch's decision
-    gate = BatchGate(count, estimates[0], estimates[1]) if count > 1 and config.schedule == "cost_aware" else None
-
-    def per_row(make):
-        return {row: make() for row in rows}
-
-    learned = []  # (proposing model, verifying model, within, its rows' schedules): calibrations kept for later calls
-
-    def calibrated(proposer: int, verifier: int, make, within: tuple = ()):
-        """Each row's schedule of a model level, its calibration started from what the last call of the
-        same two models learned (cost-aware only); ``within``: the models that key it further."""
-        if config.schedule != "cost_aware":
-            return per_row(lambda: make(None))
-        made = per_row(lambda: make(remembered_calibration.start(models[proposer], models[verifier], within)))
-        learned.append((models[proposer], models[verifier], within, made))
-        return made
-
-    schedules = [None] * len(models)
-    bottom = len(models) - 1
-    if runners[bottom] is None:
-        # a Drafter sets its own length; the cost-aware schedule caps it (and can sit it out) by how
-        # often the level above accepts its drafts
-        if config.schedule == "cost_aware":
-            schedules[bottom] = per_row(lambda: make_schedule(
-                config.schedule, MAX_DRAFT_TOKENS, MAX_DRAFT_TOKENS, verifier_costs=shared[bottom - 1],
-                gate=gate if bottom == 1 else None))
-        level = parts.drafter_level(models[bottom], rules, stats.levels[bottom], clock, schedules[bottom])
-    else:
-        own = estimates[bottom]
-        step = None if own is None else own.seconds(count) / count
-        schedules[bottom] = calibrated(bottom, bottom - 1, lambda calibration: make_schedule(
-            config.schedule, config.num_draft_tokens, MAX_DRAFT_TOKENS, per_token=True,
-            verifier_costs=shared[bottom - 1], step_seconds=step, gate=gate if bottom == 1 else None,
-            calibration=calibration))
-        # below a greedy intermediate level, sampled drafts would only lower its acceptance
-        samples = do_sample and not (greedy_intermediates and bottom > 1)
-        level = parts.model_drafter(runners[bottom], rules, stats.levels[bottom], schedules[bottom], samples, clock)
-    # a PromptLookup the config added below the bottom model (drafting K tokens, `with_prompt_lookup`):
-    # that model is an intermediate level now, with the config's last mu
-    added = int(isinstance(models[bottom], AddedPromptLookup))
-    thresholds = config.thresholds_for(bottom - 1 - added)
-    thresholds += (thresholds[-1] if thresholds else config.last_threshold,) * added
-    shape_gates: dict[int, ShapeGate] = {}
-    for index in range(bottom - 1, 0, -1):  # intermediate levels, bottom-up
-        samples = do_sample and not greedy_intermediates
-        verifier = parts.verifier(runners[index], level, rules, stats.levels[index], samples, clock)
-        # its T(1) is what a token costs until its rounds are timed (they may emit several per
-        # forward, so it does not rule the level out up front)
-        own = estimates[index]
-        step = None if own is None else own.seconds(count) / count
-        schedules[index] = calibrated(index, index - 1, lambda calibration: make_schedule(
-            config.schedule, thresholds[index - 1], MAX_BLOCK_THRESHOLD, per_token=True,
-            verifier_costs=shared[index - 1], step_seconds=step, static_check=False,
-            gate=gate if index == 1 else None, calibration=calibration))
-        shape = {}
-        if index == bottom - 1 and runners[bottom] is not None and None not in estimates[index - 1 : bottom + 1]:
-            # the level right above a model drafter takes part only while Theorem 3.2 says it pays; when
-            # bypassed, the drafter proposes to the level above under schedules priced by its costs; and
-            # the drafter only while the level's model drafting alone to the level above is not faster:
-            # then that model drafts under schedules priced by the level above's costs, with a
-            # calibration of its own (kept for this chain: `calibration.remembered`, ``within``)
-            drafter_step = estimates[bottom].seconds(count) / count
-            middle_step = estimates[index].seconds(count) / count
-            level_costs = (shared[index - 1].seconds, shared[index].seconds, shared[bottom].seconds)
-            drop_schedules = calibrated(index, index - 1, lambda calibration: make_schedule(
-                config.schedule, config.num_draft_tokens, MAX_DRAFT_TOKENS, per_token=True,
-                verifier_costs=shared[index - 1], step_seconds=middle_step, gate=gate if index == 1 else None,
-                calibration=calibration), within=(models[bottom],))
-            shape = dict(shape_gate=ShapeGate(level_costs, models=(models[index - 1], models[index], models[bottom]),
-                                              drops=True),
-                         bypass_schedules=calibrated(bottom, index - 1, lambda calibration: make_schedule(
-                             config.schedule, config.num_draft_tokens, MAX_DRAFT_TOKENS, per_token=True,
-                             verifier_costs=shared[index - 1], step_seconds=drafter_step,
-                             gate=gate if index == 1 else None, calibration=calibration)),
-                         drop_drafter=parts.model_drafter(runners[index], rules, stats.levels[index], drop_schedules,
-                                                          samples, clock))
-            shape_gates[index] = shape["shape_gate"]
-        level = parts.intermediate(verifier, schedules[index], clock, **shape)
-    top = parts.verifier(runners[0], level, rules, stats.levels[0], do_sample, clock)
-    return Chain(top, stats, runners, schedules, estimates, gate, shape_gates, learned)
+def check_drafter_output(name: str, tokens, log_probs, limit: int) -> None:
+    """Raise unless ``Drafter.propose`` returned at most ``limit`` token ids ``[k]`` and either None
+    or log-probabilities ``[k, V]`` that can be the distributions the tokens were drawn from:
+    finite or -inf, each row summing to 1, and every proposed token with probability > 0 (a token
+    reported with probability 0 cannot have been drawn, and losslessness rests on that)."""
+    if not isinstance(tokens, torch.Tensor) or tokens.dim() != 1 or tokens.dtype != torch.long:
+        raise TypeError(f"{name}.propose must return a 1-D LongTensor of token ids, got {tokens!r}")
+    if tokens.shape[0] > limit:
+        raise ValueError(f"{name}.propose returned {tokens.shape[0]} tokens but max_new_tokens was {limit}")
+    if log_probs is None:
+        return
+    if log_probs.dim() != 2 or log_probs.shape[0] != tokens.shape[0]:
+        raise ValueError(
+            f"{name}.propose must return log_probs of shape [k, V] for k = {tokens.shape[0]} tokens "
+            f"(or None for deterministic drafts), got shape {tuple(log_probs.shape)}"
+        )
+    if tokens.numel() == 0:
+        return
+    values = log_probs.detach().double()
+    if bool(torch.isnan(values).any()) or bool((values == float("inf")).any()):
+        raise ValueError(f"{name}.propose returned log_probs with NaN or +inf; they must be log-probabilities")
+    sums = values.exp().sum(-1)
+    off = (sums - 1).abs() > PROBABILITY_SUM_TOLERANCE
+    if bool(off.any()):
+        row = int(off.nonzero()[0])
+        raise ValueError(
+            f"{name}.propose returned log_probs whose probabilities do not sum to 1 (row {row} sums to "
+            f"{float(sums[row]):.4g}); return the log-probabilities of the distribution each token was drawn from"
+        )
+    width = values.shape[1]
+    ids = tokens.to(values.device)
+    picked = values.gather(1, ids.clamp(max=width - 1).unsqueeze(1)).squeeze(1)
+    impossible = (ids >= width) | (picked == float("-inf"))
+    if bool(impossible.any()):
+        position = int(impossible.nonzero()[0])
+        raise ValueError(
+            f"{name}.propose reported probability 0 for the token it proposed at position {position} "
+            f"(id {int(tokens[position])}); a proposal must be the distribution the token was drawn from"
+        )

@@ -22,7 +22,7 @@ distribution (softmax over S after the processors) and reports exactly that as q
 sampling is exact (`hf_polybasic.decoding.acceptance`); ids outside S have q = 0 and are only ever emitted by the
 level above. A position where the processors leave no id of S finite (a forced token, a prefix
 constraint or bad words outside S) has no distribution to draw from: the drafter ends its proposal
-there and the level above decodes that token itself (`hf_polybasic.decoding.drafting.ModelDrafter`).
+there and the level above decodes that token itself (`hf_polybasic.decoding.round.ModelDrafter`).
 
 As an intermediate level the view stays exact: what it emits is an exact sample of its own
 restricted distribution, which is what it reports upward as q, and the target decides. But a

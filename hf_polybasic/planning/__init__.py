@@ -27,10 +27,10 @@ from .acceptance import (
     verification_walk,
     walk_acceptance_length,
 )
-from .explain import Explanation, Insertion, plan_markdown, profile_markdown
+from .explain import Explanation, Insertion, plan_markdown
 from .measure import encode_prompt, profile
 from .predict import ChainPrediction, LevelPrediction, predict, predict_time_per_token
-from .profile_data import DRAFTER, MODEL, TARGET, Profile, cost_order
+from .profile_data import DRAFTER, MODEL, TARGET, Profile, cost_order, profile_markdown
 from .search import DEFAULT_K_GRID, DEFAULT_MU_GRID, Plan, best_setting, candidate_chains, plan
 
 __all__ = [

@@ -1,7 +1,7 @@
-"""Why each candidate is in or out of a plan (Theorem 3.2), and the reports as markdown.
+"""Why each candidate is in or out of a plan (Theorem 3.2), and the plan as markdown.
 
-The renderers live here, not in the dataclasses: `profile_markdown` (cost and agreement tables),
-`plan_markdown` (the plan, the ranking, the explanations).
+`plan_markdown` (the plan, the ranking, the explanations) lives here, not in the dataclasses; a
+profile's own tables are `hf_polybasic.planning.profile_data.profile_markdown`.
 """
 
 from __future__ import annotations
@@ -165,37 +165,6 @@ def _explanation_text(label: str, included: bool, best_with, best_without, inser
 
 
 # ----------------------------------------------------------------------------------- renderers
-def profile_markdown(profile: Profile) -> str:
-    """Cost table (relative to the target's forward of the same length) and pair table."""
-    sizes = sorted({k for points in profile.costs.values() for k in points})
-    target_ms = 1000 * profile.cost(TARGET, 1)
-    lines = [
-        f"Costs: one forward feeding k tokens against a warm cache, relative to the target's "
-        f"forward of the same k (target 1-token forward: {target_ms:.2f} ms); a Drafter: one propose call.",
-        "",
-        "| level | kind | ms (k=1) | prefill ms | " + " | ".join(f"k={k}" for k in sizes) + " |",
-        "|---|---|---:|---:|" + "---:|" * len(sizes),
-    ]
-    for label in profile.order:
-        cells = [f"{profile.cost(label, k) / profile.cost(TARGET, k):.3f}" for k in sizes]
-        ms, prefill = 1000 * profile.cost(label, 1), 1000 * profile.prefill.get(label, 0.0)
-        lines.append(f"| {label} | {profile.kinds[label]} | {ms:.2f} | {prefill:.1f} | " + " | ".join(cells) + " |")
-    what = "mean overlap sum_x min(p_upper, p_lower)" if profile.sampling else "per-token greedy agreement"
-    lines += [
-        "",
-        f"Acceptance along the target's greedy text ({what}); L(b) = predicted tokens per verification of a "
-        "b-token block (accepted + 1).",
-        "",
-        "| upper <- lower | acceptance rate | L(2) | L(4) | L(8) |",
-        "|---|---:|---:|---:|---:|",
-    ]
-    for upper, lower in profile.agreement:
-        acceptance = profile.acceptance(upper, lower)
-        lengths = " | ".join(f"{acceptance.length(b):.2f}" for b in (2, 4, 8))
-        lines.append(f"| {pair_key(upper, lower)} | {profile.acceptance_rate(upper, lower):.3f} | {lengths} |")
-    return "\n".join(lines)
-
-
 def plan_markdown(plan) -> str:
     """The plan, every chain ranked, and why each candidate is in or out."""
     best, n = plan.best, plan.new_tokens

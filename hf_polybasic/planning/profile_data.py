@@ -257,10 +257,39 @@ class Profile:
     # --- report ------------------------------------------------------------------------------
     def markdown(self) -> str:
         """Cost table (relative to the target's forward of the same length) and pair table
-        (`hf_polybasic.planning.explain.profile_markdown`)."""
-        from .explain import profile_markdown
-
+        (`profile_markdown`)."""
         return profile_markdown(self)
 
     def __str__(self) -> str:
         return self.markdown()
+
+
+def profile_markdown(profile: Profile) -> str:
+    """Cost table (relative to the target's forward of the same length) and pair table."""
+    sizes = sorted({k for points in profile.costs.values() for k in points})
+    target_ms = 1000 * profile.cost(TARGET, 1)
+    lines = [
+        f"Costs: one forward feeding k tokens against a warm cache, relative to the target's "
+        f"forward of the same k (target 1-token forward: {target_ms:.2f} ms); a Drafter: one propose call.",
+        "",
+        "| level | kind | ms (k=1) | prefill ms | " + " | ".join(f"k={k}" for k in sizes) + " |",
+        "|---|---|---:|---:|" + "---:|" * len(sizes),
+    ]
+    for label in profile.order:
+        cells = [f"{profile.cost(label, k) / profile.cost(TARGET, k):.3f}" for k in sizes]
+        ms, prefill = 1000 * profile.cost(label, 1), 1000 * profile.prefill.get(label, 0.0)
+        lines.append(f"| {label} | {profile.kinds[label]} | {ms:.2f} | {prefill:.1f} | " + " | ".join(cells) + " |")
+    what = "mean overlap sum_x min(p_upper, p_lower)" if profile.sampling else "per-token greedy agreement"
+    lines += [
+        "",
+        f"Acceptance along the target's greedy text ({what}); L(b) = predicted tokens per verification of a "
+        "b-token block (accepted + 1).",
+        "",
+        "| upper <- lower | acceptance rate | L(2) | L(4) | L(8) |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for upper, lower in profile.agreement:
+        acceptance = profile.acceptance(upper, lower)
+        lengths = " | ".join(f"{acceptance.length(b):.2f}" for b in (2, 4, 8))
+        lines.append(f"| {pair_key(upper, lower)} | {profile.acceptance_rate(upper, lower):.3f} | {lengths} |")
+    return "\n".join(lines)

@@ -36,8 +36,8 @@ from .cost_aware import RESET_MARGIN, SAFETY_MARGIN, SAFETY_ROUNDS, WARMUP_ROUND
 from .fixed import ConstantSchedule, HeuristicSchedule
 from .rates import DECAY, acceptance_rate_estimate, best_length, expected_tokens, worth_more, worth_one_more
 from .shape_gate import ShapeGate
+from ..config import SCHEDULES
 
-SCHEDULES = ("constant", "heuristic", "cost_aware")
 
 
 class Schedule(Protocol):

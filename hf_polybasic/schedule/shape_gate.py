@@ -44,6 +44,7 @@ import copy
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from ..theory import insertion_test_with_curves, polybasic_time_per_token_with_curves
 from .memory import ModelMemory
 from .rates import decayed
 
@@ -279,8 +280,6 @@ class ShapeGate:
         """Lemma 3.1 with the measured T(k) on a shape's decayed sums, each L_i read as N / F_i
         (tokens the level above emitted per forward of each model: exact when the curves are); None
         when the shape was not measured."""
-        from ..theory import polybasic_time_per_token_with_curves  # (the planning package imports the chain)
-
         sums = self.evidence(shape)
         above, middle, drafter = self.costs
         if sums.rounds == 0 or sums.emitted == 0:
@@ -307,8 +306,6 @@ class ShapeGate:
             return False
         if outside.rounds == 0:
             return True
-        from ..theory import insertion_test_with_curves  # (the planning package imports the chain)
-
         above, middle, drafter = self.costs
         verifications_in = inside.middle_verifications
         beta = (inside.drafter_forwards + outside.drafter_forwards) / (verifications_in + outside.rounds)

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Union
 
 import numpy as np
 
-from ..costs import interpolate_cost
+from ..costs.curve import interpolate_cost
 from .checks import ArrayLike, acceptance_length, as_result, nonnegative, positive, scalar
 
 if TYPE_CHECKING:

@@ -1,0 +1,302 @@
+"""Assembling a chain for one call: its levels, their runners, schedules, cost estimates and gates.
+
+Nothing here decodes: `build_chain` wires the levels of `hf_polybasic.decoding.round` bottom-up, and
+`Chain.finish` collects what they counted once the call is over.
+"""
+
+from __future__ import annotations
+
+import collections
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from ..compat import cached_tokens, new_dynamic_cache
+from ..config import MAX_BLOCK_THRESHOLD, MAX_DRAFT_TOKENS, PolybasicConfig
+from ..costs import CostCurves, CostEstimate
+from ..drafters import AddedPromptLookup, Drafter
+from ..labels import model_label
+from ..runners.dynamic import CachedModel
+from ..runners.probe import compile_problem, static_problem
+from ..runners.static import StaticRunner
+from ..schedule import BatchGate, ShapeGate, make_schedule
+from ..schedule.calibration import remembered as remembered_calibration
+from ..schedule.shape_gate import BYPASSED, DROPPED
+from ..stats import LevelStats, PolybasicStats
+from ..timing import DEFAULT_CLOCK, Clock
+from .processing import DecodingRules
+from .round import DrafterLevel, IntermediateLevel, ModelDrafter, Verifier
+
+
+@dataclass(frozen=True)
+class ChainParts:
+    """The classes a chain is built from. `hf_polybasic.generation.make_generate` takes another set:
+    tests inject deliberately wrong levels to prove that the distribution tests can fail."""
+
+    model_drafter: type = ModelDrafter
+    drafter_level: type = DrafterLevel
+    intermediate: type = IntermediateLevel
+    verifier: type = Verifier
+
+
+_warned_sat_out: set[tuple[str, bool]] = set()
+
+
+def _warn_sat_out(name: str, reason: str, dropped: bool = False) -> None:
+    """Once per level kind and way: a level the user passed sat out most of a call (a middle level
+    bypassed, or the drafter ``dropped`` while the level above it drafted alone)."""
+    kind = name.split(" ", 1)[-1]
+    if (kind, dropped) not in _warned_sat_out:
+        _warned_sat_out.add((kind, dropped))
+        how = ("The level above it drafted on its own; polybasic_stats says in how many rounds (dropped_rounds)"
+               if dropped else
+               "Its drafts went straight to the level above; polybasic_stats says in how many rounds (bypassed_rounds)")
+        warnings.warn(f"hf_polybasic let {name} sit out: the chain ran faster without it ({reason}). {how}",
+                      UserWarning, stacklevel=6)
+
+
+def level_names(target: torch.nn.Module, assistant_models: Sequence) -> list[str]:
+    """"M1 <target class>", "M2 <class or Drafter repr>", ..., as in the statistics."""
+    return [
+        f"M{i + 1} {repr(m) if isinstance(m, Drafter) else model_label(m)}"
+        for i, m in enumerate([target, *assistant_models])
+    ]
+
+
+class BatchShare:
+    """A row's view of a verifier's costs while the rows still live share each of its forwards
+    (``runner.live_rows``, n: rows that are done have left them): a forward scoring k tokens for
+    each of n rows is priced as one of n k tokens (the machine reads the weights once for all of
+    them), split evenly, T(n k) / n. One row: the curve itself."""
+
+    def __init__(self, estimate, runner):
+        self.estimate, self.runner = estimate, runner
+
+    @property
+    def rows(self) -> int:
+        return max(self.runner.live_rows, 1)
+
+    def seconds(self, tokens: float) -> float:
+        rows = self.rows
+        return self.estimate.seconds(rows * tokens) / rows
+
+    @property
+    def last_seconds(self) -> float | None:
+        last = self.estimate.last_seconds
+        return None if last is None else last / self.rows
+
+
+@dataclass
+class Chain:
+    """A built chain: its top `Verifier` (the target), the call's statistics, and per level its
+    model runner (None for a `Drafter`), per-row schedules (None for the target) and cost estimate
+    (None unless the schedule is cost-aware); for a batch under the cost-aware schedule, its `BatchGate`."""
+
+    top: Verifier
+    stats: PolybasicStats
+    runners: list
+    schedules: list
+    estimates: list
+    gate: BatchGate | None = None  # a batch's: whether the level under the target proposes at all
+    shape_gates: dict = field(default_factory=dict)  # level index -> its ShapeGate (whether it takes part)
+    learned: list = field(default_factory=list)  # (proposer, verifier, within, schedules): calibrations to keep
+
+    def finish(self, costs: CostCurves | None = None) -> PolybasicStats:
+        """Fill in what the levels counted (forward passes, rounds sat out, forward costs) and let
+        ``costs`` learn what the forwards of this call cost."""
+        for level, runner, schedules, estimate in zip(self.stats.levels, self.runners, self.schedules, self.estimates):
+            if runner is not None:
+                level.forward_passes = runner.forward_passes
+            if schedules is not None:
+                level.paused_rounds = sum(schedule.paused_rounds for schedule in schedules.values())
+            if estimate is not None:
+                level.forward_costs = estimate.snapshot()
+                if costs is not None:
+                    costs.refresh(runner.model, estimate, runner_kind(runner))
+            if isinstance(runner, StaticRunner):
+                level.runner = "static, compiled" if runner.compiled else "static"
+                level.forward_widths = dict(sorted(collections.Counter(runner.forward_widths).items()))
+                runner.close()
+            elif runner is not None:
+                level.runner = "dynamic"
+        for proposer, verifier, within, schedules in self.learned:  # the row that learned most, for the next call
+            taught = max(schedules.values(), key=lambda schedule: schedule.calibration.observations)
+            remembered_calibration.keep(proposer, verifier, taught.calibration, within)
+        for index, shape in self.shape_gates.items():
+            level, below = self.stats.levels[index], self.stats.levels[index + 1]
+            level.bypassed_rounds, below.dropped_rounds = shape.bypassed_rounds, shape.dropped_rounds
+            if shape.verdict is not None:
+                level.insertion_saving = shape.verdict.time_saved_per_token
+            # sat out beyond the rounds the gate measured the chain without it
+            if shape.bypassed_rounds > shape.probe_rounds[BYPASSED]:
+                level.sat_out = shape.describe()
+                _warn_sat_out(level.name, level.sat_out)
+            if shape.dropped_rounds > shape.probe_rounds.get(DROPPED, 0):
+                below.sat_out = shape.describe_drop()
+                _warn_sat_out(below.name, below.sat_out, dropped=True)
+        return self.stats
+
+
+_warned_runners: set[tuple[str, str]] = set()
+
+
+def make_runner(model, cache, role: str, config: PolybasicConfig, static: bool, capacity: int | None,
+                vocab_limit: int | None = None, clock: Clock = DEFAULT_CLOCK, rows: int = 1):
+    """The runner a model of the chain decodes with: a `StaticRunner` when the call asks for a static
+    cache or compiled forwards (`PolybasicConfig.compiles`) and the model can (`static_problem`; the
+    cache it would start from is empty), compiled unless hooks on it say not now (`compile_problem`);
+    else a `CachedModel` on ``cache``. What was asked and not done is said in a warning, once per
+    model kind and reason."""
+    compiled = config.compiles(model.device)
+    if not (static or compiled) or capacity is None or cache is None or cached_tokens(cache) != 0:
+        return CachedModel(model, cache, role=role, vocab_limit=vocab_limit, clock=clock, rows=rows)
+    problem = static_problem(model)
+    if problem is None:
+        hooked = compile_problem(model) if compiled else None
+        if hooked is not None:
+            _warn_runner(model, hooked, f"hf_polybasic runs {role} on a static cache, uncompiled: {hooked}")
+        return StaticRunner(model, role, capacity, vocab_limit, clock, rows, compiled=compiled and hooked is None)
+    _warn_runner(model, problem, f"hf_polybasic runs {role} on a dynamic cache" + (", uncompiled" if compiled else "")
+                 + f": {problem}. The other models of the chain run " + ("compiled " if compiled else "")
+                 + "on static caches where they can")
+    return CachedModel(model, cache, role=role, vocab_limit=vocab_limit, clock=clock, rows=rows)
+
+
+def runner_kind(runner) -> str:
+    """"compiled", "static" or "dynamic": the runner a model's forwards go through (its costs differ)."""
+    if isinstance(runner, StaticRunner):
+        return "compiled" if runner.compiled else "static"
+    return "dynamic"
+
+
+def _warn_runner(model, reason: str, message: str) -> None:
+    key = (model_label(model), reason)
+    if key not in _warned_runners:
+        _warned_runners.add(key)
+        warnings.warn(message, UserWarning, stacklevel=7)
+
+
+def build_chain(
+    target: torch.nn.Module,
+    assistant_models: Sequence,
+    config: PolybasicConfig,
+    rules: dict[int, DecodingRules],
+    target_cache,
+    parts: ChainParts = ChainParts(),
+    clock: Clock = DEFAULT_CLOCK,
+    costs: CostCurves | None = None,
+    static: bool = False,
+    capacity: int | None = None,
+) -> Chain:
+    """The chain M1 > M2 > ... > Mn for the rows of ``rules`` (row -> its `DecodingRules`), with a
+    fresh cache for every assistant model and the target's ``target_cache`` (None when
+    ``use_cache=False``). Under the cost-aware schedule every model's cost curve comes from ``costs``
+    (measured on first use), and each row's schedule prices its tokens with its parent's curve as the
+    rows share it (`BatchShare`). ``static`` (the call asked for a static cache) or compiled forwards
+    (`PolybasicConfig.compile`) run each model that can on a `StaticRunner` of ``capacity`` slots
+    per row (`make_runner`)."""
+    rows = sorted(rules)
+    count = len(rows)
+    names = level_names(target, assistant_models)
+    roles = ["target"] + ["intermediate"] * (len(assistant_models) - 1) + ["drafter"]
+    stats = PolybasicStats(levels=[LevelStats(name=name, role=role) for name, role in zip(names, roles)])
+    vocab = target.config.get_text_config(decoder=True).vocab_size
+    greedy_intermediates = config.verification == "greedy"
+    do_sample = rules[rows[0]].do_sample
+    models = [target, *assistant_models]
+    runners = [make_runner(target, target_cache, f"target {names[0]}", config, static, capacity, None, clock, count)] + [
+        None if isinstance(model, Drafter)
+        else make_runner(model, new_dynamic_cache(model), f"assistant_models[{i}] ({names[i + 1]})", config, static,
+                         capacity, vocab, clock, count)
+        for i, model in enumerate(assistant_models)
+    ]
+    estimates = [None] * len(models)
+    if config.schedule == "cost_aware" and costs is not None:
+        for index, runner in enumerate(runners):
+            curve = None if runner is None else costs.curve_for(models[index], clock, measure=config.measure_costs,
+                                                                  runner=runner_kind(runner), capacity=capacity)
+            if curve is not None:  # None: not stored and not to be measured; the schedule goes by the call's timings
+                estimates[index] = runner.cost_observer = CostEstimate(curve)
+    shared = [None if estimate is None else BatchShare(estimate, runner) for estimate, runner in zip(estimates, runners)]
+    # rows of a batch: whether the level under the target proposes at all is the batch's decision
+    gate = BatchGate(count, estimates[0], estimates[1]) if count > 1 and config.schedule == "cost_aware" else None
+
+    def per_row(make):
+        return {row: make() for row in rows}
+
+    learned = []  # (proposing model, verifying model, within, its rows' schedules): calibrations kept for later calls
+
+    def calibrated(proposer: int, verifier: int, make, within: tuple = ()):
+        """Each row's schedule of a model level, its calibration started from what the last call of the
+        same two models learned (cost-aware only); ``within``: the models that key it further."""
+        if config.schedule != "cost_aware":
+            return per_row(lambda: make(None))
+        made = per_row(lambda: make(remembered_calibration.start(models[proposer], models[verifier], within)))
+        learned.append((models[proposer], models[verifier], within, made))
+        return made
+
+    schedules = [None] * len(models)
+    bottom = len(models) - 1
+    if runners[bottom] is None:
+        # a Drafter sets its own length; the cost-aware schedule caps it (and can sit it out) by how
+        # often the level above accepts its drafts
+        if config.schedule == "cost_aware":
+            schedules[bottom] = per_row(lambda: make_schedule(
+                config.schedule, MAX_DRAFT_TOKENS, MAX_DRAFT_TOKENS, verifier_costs=shared[bottom - 1],
+                gate=gate if bottom == 1 else None))
+        level = parts.drafter_level(models[bottom], rules, stats.levels[bottom], clock, schedules[bottom])
+    else:
+        own = estimates[bottom]
+        step = None if own is None else own.seconds(count) / count
+        schedules[bottom] = calibrated(bottom, bottom - 1, lambda calibration: make_schedule(
+            config.schedule, config.num_draft_tokens, MAX_DRAFT_TOKENS, per_token=True,
+            verifier_costs=shared[bottom - 1], step_seconds=step, gate=gate if bottom == 1 else None,
+            calibration=calibration))
+        # below a greedy intermediate level, sampled drafts would only lower its acceptance
+        samples = do_sample and not (greedy_intermediates and bottom > 1)
+        level = parts.model_drafter(runners[bottom], rules, stats.levels[bottom], schedules[bottom], samples, clock)
+    # a PromptLookup the config added below the bottom model (drafting K tokens, `with_prompt_lookup`):
+    # that model is an intermediate level now, with the config's last mu
+    added = int(isinstance(models[bottom], AddedPromptLookup))
+    thresholds = config.thresholds_for(bottom - 1 - added)
+    thresholds += (thresholds[-1] if thresholds else config.last_threshold,) * added
+    shape_gates: dict[int, ShapeGate] = {}
+    for index in range(bottom - 1, 0, -1):  # intermediate levels, bottom-up
+        samples = do_sample and not greedy_intermediates
+        verifier = parts.verifier(runners[index], level, rules, stats.levels[index], samples, clock)
+        # its T(1) is what a token costs until its rounds are timed (they may emit several per
+        # forward, so it does not rule the level out up front)
+        own = estimates[index]
+        step = None if own is None else own.seconds(count) / count
+        schedules[index] = calibrated(index, index - 1, lambda calibration: make_schedule(
+            config.schedule, thresholds[index - 1], MAX_BLOCK_THRESHOLD, per_token=True,
+            verifier_costs=shared[index - 1], step_seconds=step, static_check=False,
+            gate=gate if index == 1 else None, calibration=calibration))
+        shape = {}
+        if index == bottom - 1 and runners[bottom] is not None and None not in estimates[index - 1 : bottom + 1]:
+            # the level right above a model drafter takes part only while Theorem 3.2 says it pays; when
+            # bypassed, the drafter proposes to the level above under schedules priced by its costs; and
+            # the drafter only while the level's model drafting alone to the level above is not faster:
+            # then that model drafts under schedules priced by the level above's costs, with a
+            # calibration of its own (kept for this chain: `calibration.remembered`, ``within``)
+            drafter_step = estimates[bottom].seconds(count) / count
+            middle_step = estimates[index].seconds(count) / count
+            level_costs = (shared[index - 1].seconds, shared[index].seconds, shared[bottom].seconds)
+            drop_schedules = calibrated(index, index - 1, lambda calibration: make_schedule(
+                config.schedule, config.num_draft_tokens, MAX_DRAFT_TOKENS, per_token=True,
+                verifier_costs=shared[index - 1], step_seconds=middle_step, gate=gate if index == 1 else None,
+                calibration=calibration), within=(models[bottom],))
+            shape = dict(shape_gate=ShapeGate(level_costs, models=(models[index - 1], models[index], models[bottom]),
+                                              drops=True),
+                         bypass_schedules=calibrated(bottom, index - 1, lambda calibration: make_schedule(
+                             config.schedule, config.num_draft_tokens, MAX_DRAFT_TOKENS, per_token=True,
+                             verifier_costs=shared[index - 1], step_seconds=drafter_step,
+                             gate=gate if index == 1 else None, calibration=calibration)),
+                         drop_drafter=parts.model_drafter(runners[index], rules, stats.levels[index], drop_schedules,
+                                                          samples, clock))
+            shape_gates[index] = shape["shape_gate"]
+        level = parts.intermediate(verifier, schedules[index], clock, **shape)
+    top = parts.verifier(runners[0], level, rules, stats.levels[0], do_sample, clock)
+    return Chain(top, stats, runners, schedules, estimates, gate, shape_gates, learned)
