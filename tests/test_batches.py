@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 from distribution import ALPHA, SETTINGS, STEPS, VOCAB, assert_every_level_took_part, chi_square_p_value, exact_joint
+from helpers import left_padded
 from scipy.stats import chi2_contingency
 from transformers import StoppingCriteria, StoppingCriteriaList
 
@@ -18,18 +19,6 @@ from hf_polybasic.generation import make_generate
 from hf_polybasic.testing import EOS, PAD, prompt
 
 CONFIG = hp.PolybasicConfig(num_draft_tokens=3, block_threshold=4, schedule="constant")
-
-
-def left_padded(prompts, width: int | None = None):
-    """input_ids and attention_mask of left-padded prompts (1-D tensors), ``width`` wide (default:
-    the longest prompt)."""
-    width = max(p.shape[0] for p in prompts) if width is None else width
-    ids = torch.full((len(prompts), width), PAD)
-    mask = torch.zeros(len(prompts), width, dtype=torch.long)
-    for row, p in enumerate(prompts):
-        ids[row, width - p.shape[0] :] = p
-        mask[row, width - p.shape[0] :] = 1
-    return ids, mask
 
 
 def batch_equals_plain_and_rows_alone(target, assistants, prompts, ids, mask, options):

@@ -343,7 +343,7 @@ def test_logits_to_keep_and_statefulness():
 
 def test_gguf_tensors_are_what_transformers_loads_from_the_gguf(tmp_path):
     pytest.importorskip("gguf")
-    from test_models import write_tiny_gguf
+    from helpers import write_tiny_gguf
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 from distribution import assert_every_level_took_part
-from test_int4 import assert_independent_of_its_source
+from helpers import assert_independent_of_its_source
 
 import hf_polybasic as hp
 from hf_polybasic.models import nf4 as four_bit

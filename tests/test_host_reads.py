@@ -10,7 +10,7 @@ import weakref
 
 import pytest
 import torch
-from test_batches import left_padded
+from helpers import left_padded
 from torch.overrides import TorchFunctionMode
 
 import hf_polybasic as hp

@@ -10,6 +10,7 @@ import warnings
 import pytest
 import torch
 from distribution import assert_every_level_took_part
+from helpers import assert_independent_of_its_source
 
 import hf_polybasic as hp
 from hf_polybasic.models import int4
@@ -196,15 +197,6 @@ def test_shapes_devices_and_options_the_kernels_cannot_take_are_clear_errors(mon
 
 
 # --------------------------------------------------------------------------------------- the copy
-def assert_independent_of_its_source(copy, target, ids) -> None:
-    """Whatever is done to ``target`` later (its weights zeroed, cast), ``copy`` computes the same."""
-    expected = copy(ids).logits
-    with torch.no_grad():
-        for parameter in target.parameters():
-            parameter.zero_()
-    target.to(torch.float16)
-    assert torch.equal(copy(ids).logits, expected)
-
 @pytest.mark.parametrize("tied", [False, True])
 def test_an_int4_copy_shares_no_tensor_with_its_target(tied):
     target = _target(tied=tied)

@@ -17,73 +17,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from helpers import write_tiny_gguf
 
 from hf_polybasic.tools import loading, models
-
-HIDDEN, FFN, LAYERS, HEADS, KV_HEADS = 32, 64, 2, 4, 2
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-
-
-def write_tiny_gguf(path: Path) -> None:
-    """A random llama GGUF that transformers' ``gguf_file=`` loader accepts."""
-    gguf = pytest.importorskip("gguf")
-    from transformers.convert_slow_tokenizer import bytes_to_unicode
-
-    rng = np.random.default_rng(0)
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    tokens = list(bytes_to_unicode().values()) + ["Ġt", "he"] + specials
-    vocab, head_dim = len(tokens), HIDDEN // HEADS
-
-    writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_name("tiny llama")
-    writer.add_context_length(128)
-    writer.add_block_count(LAYERS)
-    writer.add_feed_forward_length(FFN)
-    writer.add_embedding_length(HIDDEN)
-    writer.add_head_count(HEADS)
-    writer.add_head_count_kv(KV_HEADS)
-    writer.add_rope_dimension_count(head_dim)
-    writer.add_rope_freq_base(10000.0)
-    writer.add_layer_norm_rms_eps(1e-6)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("qwen2")
-    writer.add_token_list(tokens)
-    writer.add_token_types([1] * (vocab - len(specials)) + [3] * len(specials))  # 3 = control
-    writer.add_token_merges(["Ġ t", "h e"])
-    writer.add_bos_token_id(vocab - 3)
-    writer.add_eos_token_id(vocab - 1)
-    writer.add_pad_token_id(vocab - 3)
-    writer.add_add_bos_token(False)
-    writer.add_chat_template(CHAT_TEMPLATE)
-
-    def dense(name, *shape):
-        writer.add_tensor(name, rng.standard_normal(shape).astype(np.float32) * 0.3)
-
-    def q8(name, *shape):  # stored as Q8_0 blocks, dequantized on load
-        data = rng.standard_normal(shape).astype(np.float32) * 0.3
-        writer.add_tensor(name, gguf.quants.quantize(data, gguf.GGMLQuantizationType.Q8_0), raw_dtype=gguf.GGMLQuantizationType.Q8_0)
-
-    dense("token_embd.weight", vocab, HIDDEN)
-    for i in range(LAYERS):
-        writer.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(HIDDEN, np.float32))
-        q8(f"blk.{i}.attn_q.weight", HEADS * head_dim, HIDDEN)
-        q8(f"blk.{i}.attn_k.weight", KV_HEADS * head_dim, HIDDEN)
-        dense(f"blk.{i}.attn_v.weight", KV_HEADS * head_dim, HIDDEN)
-        dense(f"blk.{i}.attn_output.weight", HIDDEN, HEADS * head_dim)
-        writer.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(HIDDEN, np.float32))
-        q8(f"blk.{i}.ffn_gate.weight", FFN, HIDDEN)
-        q8(f"blk.{i}.ffn_up.weight", FFN, HIDDEN)
-        q8(f"blk.{i}.ffn_down.weight", HIDDEN, FFN)
-    writer.add_tensor("output_norm.weight", np.ones(HIDDEN, np.float32))
-    dense("output.weight", vocab, HIDDEN)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-
 
 @pytest.fixture(scope="module")
 def tiny_gguf(tmp_path_factory) -> Path:

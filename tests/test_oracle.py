@@ -38,7 +38,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, Phase, assume, given, note, seed, settings
 from hypothesis import strategies as st
-from test_batches import left_padded
+from helpers import left_padded
 from transformers import StoppingCriteriaList, StopStringCriteria
 
 import hf_polybasic as hp

@@ -8,7 +8,7 @@ import warnings
 import pytest
 import torch
 import transformers as tf
-from test_batches import left_padded
+from helpers import left_padded
 
 import hf_polybasic as hp
 from hf_polybasic import compat

@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from helpers import leading_true, simulate_accepted, simulate_three_models
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy.stats import chisquare
@@ -27,17 +28,7 @@ QUICK = settings(max_examples=40, deadline=None, derandomize=True)
 SIMULATED = settings(max_examples=25, deadline=None, derandomize=True)
 
 
-# --- simulators ------------------------------------------------------------------------------------
-def leading_true(mask: np.ndarray) -> np.ndarray:
-    """Length of the leading run of True along the last axis."""
-    return np.cumprod(mask, axis=-1).sum(-1)
-
-
-def simulate_accepted(rng: np.random.Generator, p: float, n: int, size: int) -> np.ndarray:
-    """Accepted drafts of `size` verifications: independent coins with P(accept) = p, stop at the first reject."""
-    return leading_true(rng.random((size, n)) < p)
-
-
+# --- simulators (leading_true, simulate_accepted, simulate_three_models: helpers.py) ---------------
 def simulate_speculative_sampling(rng, target: np.ndarray, proposal: np.ndarray, n: int, size: int) -> np.ndarray:
     """Accepted drafts when x ~ q is kept with probability min(1, p(x) / q(x)), the same p, q at every position."""
     drafts = rng.choice(len(proposal), size=(size, n), p=proposal)
@@ -49,22 +40,6 @@ def simulate_two_models(rng, p: float, k: int, cycles: int) -> dict[str, np.ndar
     """Per verification of M1: tokens emitted and forwards of M1 (1) and of the drafter (k)."""
     tokens = simulate_accepted(rng, p, k, cycles) + 1
     return {"tokens": tokens, "forwards": np.stack([np.ones(cycles), np.full(cycles, k)], axis=-1)}
-
-
-def simulate_three_models(rng, p_top: float, p_mid: float, k: int, mu: int, cycles: int) -> dict[str, np.ndarray]:
-    """Per verification of M1 in the staged algorithm (see docs/concepts.md).
-
-    M3 drafts k tokens (k forwards), M2 verifies them (1 forward, emits accepted + 1) and repeats
-    until it holds at least mu tokens; M1 verifies that block (1 forward, emits accepted + 1).
-    Acceptance is i.i.d. per token: p_mid for M2 on M3's drafts, p_top for M1 on M2's tokens.
-    """
-    emitted = simulate_accepted(rng, p_mid, k, cycles * mu).reshape(cycles, mu) + 1  # per M2 round
-    held = np.cumsum(emitted, axis=1)
-    rounds = (held < mu).sum(1) + 1  # M2 rounds until the block holds >= mu tokens
-    block = held[np.arange(cycles), rounds - 1]
-    accepted = np.minimum(simulate_accepted(rng, p_top, mu + k, cycles), block)
-    forwards = np.stack([np.ones(cycles), rounds, k * rounds], axis=-1)
-    return {"tokens": accepted + 1, "forwards": forwards, "block": block}
 
 
 def ratio_estimate(numerator: np.ndarray, denominator: np.ndarray) -> tuple[float, float]:

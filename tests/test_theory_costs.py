@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from test_theory import simulate_accepted, simulate_three_models
+from helpers import simulate_accepted, simulate_three_models
 
 from hf_polybasic.planning import theory
 from hf_polybasic.stats import LevelStats, PolybasicStats
