@@ -22,7 +22,7 @@ import hf_polybasic as hp
 from distribution import assert_every_level_took_part
 from hf_polybasic.drafters import Drafter
 from hf_polybasic.outputs import pad_token_id
-from hf_polybasic.decoding.acceptance import speculative_verify
+from hf_polybasic.decoding.acceptance import speculative_decision
 
 # a drafter that is the target itself, so every draft is accepted and rounds are long
 EVERY_DRAFT_ACCEPTED = hp.PolybasicConfig(num_draft_tokens=8, schedule="constant")
@@ -139,7 +139,7 @@ def test_a_draft_with_probability_zero_under_proposal_and_target_is_never_accept
     draft_probs = torch.tensor([[0.5, 0.5, 0.0]])  # [k, V]: the draft (id 2) has q = 0
     for seed in range(200):
         generator = torch.Generator().manual_seed(seed)
-        num_accepted, next_token = speculative_verify(torch.tensor([2]), draft_probs, target_probs, generator)
+        num_accepted, next_token = speculative_decision(torch.tensor([2]), draft_probs, target_probs, generator).tolist()
         assert num_accepted == 0 and next_token != 2
 
 

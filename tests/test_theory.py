@@ -20,7 +20,7 @@ from scipy.stats import chisquare
 
 from hf_polybasic.planning import theory
 from hf_polybasic.stats import LevelStats, PolybasicStats
-from hf_polybasic.decoding.acceptance import speculative_verify
+from hf_polybasic.decoding.acceptance import speculative_decision
 
 Z = 5.0
 CHI_SQUARE_ALPHA = 1e-4
@@ -117,7 +117,7 @@ def test_speculative_sampling_acceptance_is_truncated_geometric_with_alpha_one_m
 
 
 def test_our_verification_rule_follows_the_theory():
-    """`hf_polybasic.decoding.acceptance.speculative_verify` itself: mean acceptance length as predicted."""
+    """`hf_polybasic.decoding.acceptance.speculative_decision` itself: mean acceptance length as predicted."""
     generator = torch.Generator().manual_seed(0)
     target = torch.softmax(1.5 * torch.randn(8, generator=generator), -1)
     proposal = torch.softmax(1.5 * torch.randn(8, generator=generator), -1)
@@ -127,7 +127,7 @@ def test_our_verification_rule_follows_the_theory():
     lengths = []
     for _ in range(trials):
         draft = torch.multinomial(proposal, k, replacement=True, generator=generator)
-        num_accepted, _ = speculative_verify(draft, proposals, targets, generator)
+        num_accepted, _ = speculative_decision(draft, proposals, targets, generator).tolist()
         lengths.append(num_accepted + 1)
     se = np.sqrt(theory.acceptance_length_variance(alpha, k) / trials)
     assert abs(np.mean(lengths) - theory.expected_acceptance_length(alpha, k)) <= Z * se

@@ -13,8 +13,8 @@ Vocabulary used throughout the package:
   token after a rejection, or the *bonus* token when all k were accepted.
 
 Every ``*_decision`` function returns the tensor ``[num_accepted, next_token]`` on the scores'
-device (a level reads the decisions of all its rows back in one go), every ``*_verify`` function
-the same as a pair of ints; the level emits ``draft_ids[:num_accepted] + [next_token]``.
+device (a level reads the decisions of all its rows back in one go); the level emits
+``draft_ids[:num_accepted] + [next_token]``.
 
 Why the output is distributed exactly as p (Leviathan et al. 2023, Thm. 1): at a position with
 proposal q, the token x ~ q is kept with probability min(1, p(x)/q(x)), otherwise a token is drawn
@@ -31,13 +31,9 @@ from __future__ import annotations
 import torch
 
 
-def count_leading_true(mask: torch.Tensor) -> int:
-    """Length of the run of True at the start of a 1-D bool tensor."""
-    return int(leading_true(mask))
-
-
 def leading_true(mask: torch.Tensor) -> torch.Tensor:
-    """`count_leading_true` as a 0-d long tensor on ``mask``'s device (no read back to the host)."""
+    """Length of the run of True at the start of a 1-D bool tensor, as a 0-d long tensor on
+    ``mask``'s device (no read back to the host)."""
     return (~mask).cumsum(-1).eq(0).sum()
 
 
@@ -126,28 +122,3 @@ def speculative_decision(
     next_token = torch.multinomial(next_distribution, 1, generator=generator)[0]
     return torch.stack([num_accepted, next_token])
 
-
-# --- the same as ints, for callers on the host -------------------------------------------------------
-def greedy_verify(draft_ids: torch.Tensor, target_scores: torch.Tensor) -> tuple[int, int]:
-    """`greedy_decision` as ``(num_accepted, next_token)``."""
-    accepted, token = greedy_decision(draft_ids, target_scores).tolist()
-    return accepted, token
-
-
-def point_mass_verify(
-    draft_ids: torch.Tensor, target_probs: torch.Tensor, generator: torch.Generator | None = None
-) -> tuple[int, int]:
-    """`point_mass_decision` as ``(num_accepted, next_token)``."""
-    accepted, token = point_mass_decision(draft_ids, target_probs, generator).tolist()
-    return accepted, token
-
-
-def speculative_verify(
-    draft_ids: torch.Tensor,
-    draft_probs: torch.Tensor | None,
-    target_probs: torch.Tensor,
-    generator: torch.Generator | None = None,
-) -> tuple[int, int]:
-    """`speculative_decision` as ``(num_accepted, next_token)``."""
-    accepted, token = speculative_decision(draft_ids, draft_probs, target_probs, generator).tolist()
-    return accepted, token
