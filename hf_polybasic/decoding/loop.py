@@ -251,7 +251,7 @@ def _decode_group(target, request, processors, stopping_criteria, parts, clock, 
         max_lengths[index] = request.max_length - removed_padding
     cache = request.caches[group[0]] if len(group) == 1 else request.caches[0]
     chain = build_chain(target, request.assistants, request.config, rules, cache, parts, clock, costs,
-                        static=getattr(request, "static", False), capacity=capacity_for(request.max_length))
+                        static=request.static, capacity=capacity_for(request.max_length))
     if chain.gate is not None:  # what the batch's drafter would prefill, and the budget proposals could save on
         chain.gate.budget(sum(int(prompt.shape[0]) for prompt in prompts.values()),
                           max(max_lengths[row] - int(prompts[row].shape[0]) for row in prompts))
