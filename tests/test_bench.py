@@ -1,4 +1,4 @@
-"""The benchmark harness (hf_polybasic.tools.bench) end to end on tiny random models, plus its formulas."""
+"""The benchmark harness (benchmarks.bench) end to end on tiny random models, plus its formulas."""
 
 from __future__ import annotations
 
@@ -14,16 +14,16 @@ from transformers import GenerationMixin
 from hf_polybasic import compat
 
 from hf_polybasic.models import packed as cpu
-from hf_polybasic.tools.bench import BenchSettings, Method, rebuild_report, run_benchmark, speedup
-from hf_polybasic.tools.bench import cli as bench_cli
-from hf_polybasic.tools.bench import methods as bench_methods
-from hf_polybasic.tools.bench import prompts
-from hf_polybasic.tools.bench.report import first_difference, question_speeds, summarise
-from hf_polybasic.tools.bench.calls import messages_for
-from hf_polybasic.tools.bench.runner import describe_run
-from hf_polybasic.tools.bench.records import question_seed, read_records
-from hf_polybasic.tools.bench.settings import DECODINGS
-from hf_polybasic.tools.harness import RssSampler
+from benchmarks.bench import BenchSettings, Method, rebuild_report, run_benchmark, speedup
+from benchmarks.bench import cli as bench_cli
+from benchmarks.bench import methods as bench_methods
+from benchmarks.bench import prompts
+from benchmarks.bench.report import first_difference, question_speeds, summarise
+from benchmarks.bench.calls import messages_for
+from benchmarks.bench.runner import describe_run
+from benchmarks.bench.records import question_seed, read_records
+from benchmarks.bench.settings import DECODINGS
+from hf_polybasic.cli.harness import RssSampler
 
 pytest.importorskip("matplotlib")
 pytest.importorskip("psutil")

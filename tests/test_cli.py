@@ -1,6 +1,6 @@
 """The command line (real-model paths need downloads and are not run here)."""
 
-from hf_polybasic.tools import cli
+from hf_polybasic.cli import main as cli
 
 
 def test_tiny_demo_runs_and_reports_exactness(capsys):
@@ -11,7 +11,7 @@ def test_tiny_demo_runs_and_reports_exactness(capsys):
 
 
 def test_models_list_names_every_model_with_its_state(capsys, tmp_path):
-    from hf_polybasic.tools.models import MODELS
+    from hf_polybasic.cli.models import MODELS
 
     assert cli.main(["models", "list", "--cache-dir", str(tmp_path)]) == 0
     lines = capsys.readouterr().out.splitlines()
@@ -51,3 +51,26 @@ def test_rollback_cost_on_a_tiny_hybrid(capsys, tmp_path):
     assert [(row["k"], row["kept"], row["refed_tokens"]) for row in rows] == [(2, 0, 1), (2, 1, 2), (2, 2, 0), (4, 0, 1), (4, 2, 3), (4, 4, 0)]
     assert all(row["copy_ms"] > 0 and row["verify_ms"] > 0 for row in rows)
     assert "| k | kept | T(k+1) ms |" in capsys.readouterr().out
+
+
+def test_benchmark_commands_come_from_the_checkout_and_say_where_they_run_without_it(capsys, monkeypatch):
+    import benchmarks.cli
+
+    assert tuple(cli.BENCHMARK_COMMANDS) == benchmarks.cli.COMMANDS  # the stubs name what the checkout has
+    monkeypatch.setattr(cli, "_benchmarks", lambda: None)  # an installed wheel: no benchmarks/ beside the package
+    assert cli.main(["bench", "--quick", "--models", "tiny"]) == 2
+    assert "python -m benchmarks bench" in capsys.readouterr().err
+    assert cli.main(["gpu-bench", "--help"]) == 2
+    assert "from a checkout of the repository" in capsys.readouterr().err
+
+
+def test_the_package_never_imports_the_benchmarks():
+    import re
+    from pathlib import Path
+
+    import hf_polybasic
+
+    package = Path(hf_polybasic.__file__).parent
+    importing = re.compile(r"^\s*(from|import)\s+benchmarks\b", re.MULTILINE)
+    found = [str(path.relative_to(package)) for path in package.rglob("*.py") if importing.search(path.read_text())]
+    assert found == ["cli/main.py"]  # only its lazy registration of the benchmark commands, guarded

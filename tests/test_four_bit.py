@@ -96,7 +96,7 @@ def test_a_missing_bitsandbytes_is_a_clear_error_and_int4_needs_no_library(monke
 
 @needs_bitsandbytes
 def test_the_planner_can_place_a_4_bit_copy_of_the_target():
-    from hf_polybasic.tools.model_sets import build_pool
+    from hf_polybasic.cli.model_sets import build_pool
 
     pool = build_pool("tiny", early_exit_layers=0, four_bit=("nf4",))
     copy = pool.candidates["tiny-mid-nf4"]

@@ -11,9 +11,10 @@ import torch
 
 from hf_polybasic import compat
 from hf_polybasic.levels import early_exit
-from hf_polybasic.tools import cli, gpu_bench
-from hf_polybasic.tools.harness import timed_call
-from hf_polybasic.tools.synthetic import FIRST_TOKEN, ReferenceDrafter, build_target, random_prompts
+from benchmarks import gpu_bench
+from hf_polybasic.cli import main as cli
+from hf_polybasic.cli.harness import timed_call
+from benchmarks.synthetic import FIRST_TOKEN, ReferenceDrafter, build_target, random_prompts
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -180,7 +181,7 @@ def test_timed_call_records_no_gpu_memory_on_the_cpu():
 
 
 def test_greedy_difference_tells_a_real_difference_from_a_near_tie():
-    from hf_polybasic.tools.bench.calls import greedy_difference
+    from benchmarks.bench.calls import greedy_difference
 
     target, construction = build_target("tiny", "cpu", torch.float32, draft_layers=1, draft_agreement=0.8, seed=0)
     prompt = torch.tensor(random_prompts([12], construction.vocab_size, seed=2, key_tokens=8)[0])

@@ -230,7 +230,8 @@ def test_the_cost_and_levels_tables_measure_the_int4_copy_without_torchao(monkey
     """`hf-polybasic costs` and `levels` list the target's int4 copy with neither torchao nor
     bitsandbytes installed (nf4 needs bitsandbytes: left out), labelled by torch's kernels, and
     their factories build it."""
-    from hf_polybasic.tools import costs_table, levels_table
+    from benchmarks import levels_table
+    from hf_polybasic.cli import costs_table
 
     for name in ("torchao", "bitsandbytes"):
         monkeypatch.setitem(sys.modules, name, None)

@@ -1,4 +1,4 @@
-"""The bfloat16 copy of a cached checkpoint (`hf_polybasic.tools.loading`), on a tiny model saved
+"""The bfloat16 copy of a cached checkpoint (`hf_polybasic.cli.loading`), on a tiny model saved
 with ``save_pretrained`` in the test: no download."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from hf_polybasic.testing import make_target
-from hf_polybasic.tools import loading, models
+from hf_polybasic.cli import loading, models
 
 
 @pytest.fixture

@@ -17,8 +17,8 @@ from hf_polybasic.levels import quantized_copy
 from hf_polybasic.models.copies import quantize_linear_layers
 from hf_polybasic.costs import cost_key
 from hf_polybasic.testing import SimulatedClock, make_target
-from hf_polybasic.tools import loading
-from hf_polybasic.tools.real_demo import BF16_TOLERANCE, VERIFY_ROWS, choose_target
+from hf_polybasic.cli import loading
+from hf_polybasic.cli.real_demo import BF16_TOLERANCE, VERIFY_ROWS, choose_target
 
 
 def test_curves_measured_under_other_kernels_or_threads_are_never_reused(monkeypatch):
@@ -151,8 +151,8 @@ def test_release_file_pages_never_touches_anonymous_memory_and_keeps_file_data(t
 
 
 def test_the_costs_command_measures_every_variant_and_writes_its_table(tmp_path):
-    from hf_polybasic.tools.cli import main
-    from hf_polybasic.tools.costs_table import run_costs_table
+    from hf_polybasic.cli.main import main
+    from hf_polybasic.cli.costs_table import run_costs_table
 
     text = run_costs_table("tiny", repeats=1, out=str(tmp_path), progress=False)
     rows = [line for line in text.splitlines() if line.startswith("| tiny")]

@@ -19,7 +19,7 @@ import pytest
 import torch
 from helpers import write_tiny_gguf
 
-from hf_polybasic.tools import loading, models
+from hf_polybasic.cli import loading, models
 
 @pytest.fixture(scope="module")
 def tiny_gguf(tmp_path_factory) -> Path:

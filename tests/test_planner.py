@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import hf_polybasic as hp
-from hf_polybasic.tools import cli
+from hf_polybasic.cli import main as cli
 from hf_polybasic.drafters import PromptLookup
 from hf_polybasic.costs import interpolate_cost, nondecreasing
 from hf_polybasic.planning import (

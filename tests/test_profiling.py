@@ -4,7 +4,7 @@ import torch
 
 from hf_polybasic.drafters import Drafter, PromptLookup
 from hf_polybasic.costs import forward_cost
-from hf_polybasic.tools.levels_table import greedy_agreement, markdown_table, profile_level, run_levels_table
+from benchmarks.levels_table import greedy_agreement, markdown_table, profile_level, run_levels_table
 from hf_polybasic.testing import make_target, noisy_copy, prompt
 
 
@@ -67,7 +67,7 @@ def test_levels_table_command_on_tiny_models(tmp_path):
     target with itself K of K, every other agreement within 0..K, positive costs for models."""
     import json
 
-    from hf_polybasic.tools.levels_table import LevelProfile
+    from benchmarks.levels_table import LevelProfile
 
     table = run_levels_table("tiny", k=3, new_tokens=8, stride=4, repeats=1, out=tmp_path)
     record = json.loads((tmp_path / "levels_tiny.json").read_text())

@@ -304,8 +304,8 @@ def test_sampled_tokens_of_a_restricted_chain_are_ones_the_target_can_sample(dis
 def test_the_coverage_tools_teacher_forced_agreement_is_the_restricted_drafters_own():
     """`hf-polybasic vocab-coverage --drafter` computes a restricted drafter's greedy agreement from
     one teacher-forced forward; it equals drafting with the `restricted_vocabulary` view itself."""
-    from hf_polybasic.tools.levels_table import greedy_agreement
-    from hf_polybasic.tools.vocab_coverage import drafter_agreement
+    from benchmarks.levels_table import greedy_agreement
+    from benchmarks.vocab_coverage import drafter_agreement
 
     target, mid, _ = make_chain("qwen2", 3, seed=3)
     continuations = []

@@ -8,7 +8,7 @@ Steps, each printed as it ends (a step that would pass the time budget is skippe
 1. the CUDA tests (`pytest -m cuda`: CUDA graphs under inductor, exactness under replay, graphs per
    call, torch's own count of host waits per round);
 2. on the Llama-3.2-1B shape (random weights, built on the GPU in bf16; its 1-layer early exit drafts,
-   agreeing on 0.8 of the target's greedy tokens by construction: `hf_polybasic.tools.synthetic`):
+   agreeing on 0.8 of the target's greedy tokens by construction: `benchmarks.synthetic`):
    plain `generate` with a static cache (compiled by transformers) against our default
    `assistant_models=[exit]` (compiled static runners): the first call's seconds and graphs, a second
    call's graphs (another prompt length and budget), host waits per target round under
@@ -33,11 +33,13 @@ from pathlib import Path
 
 import torch
 
-import hf_polybasic as hp
-from hf_polybasic.levels import early_exit
-from hf_polybasic.timing import synchronize
-from hf_polybasic.tools.machine import machine_info
-from hf_polybasic.tools.synthetic import build_target, model_config
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: benchmarks/ (not installed)
+
+import hf_polybasic as hp  # noqa: E402
+from benchmarks.synthetic import build_target, model_config  # noqa: E402
+from hf_polybasic.cli.machine import machine_info  # noqa: E402
+from hf_polybasic.levels import early_exit  # noqa: E402
+from hf_polybasic.timing import synchronize  # noqa: E402
 
 CUDA_TESTS = ["tests/test_gpu_path.py", "tests/test_static.py", "tests/test_devices.py", "tests/test_int4.py"]
 

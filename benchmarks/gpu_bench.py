@@ -1,7 +1,7 @@
 """``hf-polybasic gpu-bench``: the engine on a GPU, against plain ``generate`` and transformers'
 assisted generation, on models built in code (no network, no downloads, no tokenizer).
 
-The models (`hf_polybasic.tools.synthetic`): a random target of a real shape (default Llama-3-8B,
+The models (`benchmarks.synthetic`): a random target of a real shape (default Llama-3-8B,
 bf16), structured so that its early exits agree with its greedy tokens on a set fraction of
 tokens; its ``draft_layers``-layer exit (the drafter, agreeing on ``draft_agreement``) and its
 half-depth exit (the middle level) share its weights; its int4 copy (`hf_polybasic.models.int4`: weights
@@ -23,7 +23,7 @@ The phases, each timed and reported:
    GPU, one profiled call of every batch-1 method (host time against GPU busy time).
 6. **timed**: repeats of every (method, prompt or batch), interleaved, the methods' order rotated
    each repeat; each call timed with the GPU's queue drained before and after
-   (`hf_polybasic.tools.harness.timed_call`), its peak GPU memory recorded. Repeats stop early
+   (`hf_polybasic.cli.harness.timed_call`), its peak GPU memory recorded. Repeats stop early
    when the next would end past the time budget (the report says so).
 
 Read against the theory: for each batch-1 call, the time its forwards alone would take by the
@@ -47,18 +47,19 @@ from pathlib import Path
 
 import torch
 
-from ..compat import ASSISTED_DECODING_TAKES_STATIC_CACHE, accepts_logits_to_keep
-from ..config import PolybasicConfig
-from ..costs import forward_cost, measure_curve
-from ..models.int4 import DEFAULT_GROUP_SIZE as INT4_GROUP_SIZE
-from ..levels import early_exit, quantized_copy
-from ..planning import theory
-from ..timing import synchronize
+from hf_polybasic.compat import ASSISTED_DECODING_TAKES_STATIC_CACHE, accepts_logits_to_keep
+from hf_polybasic.config import PolybasicConfig
+from hf_polybasic.costs import forward_cost, measure_curve
+from hf_polybasic.models.int4 import DEFAULT_GROUP_SIZE as INT4_GROUP_SIZE
+from hf_polybasic.levels import early_exit, quantized_copy
+from hf_polybasic.planning import theory
+from hf_polybasic.timing import synchronize
+from hf_polybasic.cli.harness import ForwardCounter, process_peak_rss_mib, timed_call
+from hf_polybasic.cli.machine import command_line, machine_info
+
 from .bench.calls import _level_rows, describe_difference, greedy_difference
 from .bench.methods import Method, hf_assisted, plain, polybasic
 from .bench.report import speedup
-from .harness import ForwardCounter, process_peak_rss_mib, timed_call
-from .machine import command_line, machine_info
 from .synthetic import PAD, SHAPES, ReferenceDrafter, build_target, model_config, parameter_count, random_prompts
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -387,7 +388,7 @@ def acceptance_estimate(acceptance_lengths: list[int], num_draft_tokens: int) ->
 def run_gpu_bench(settings: GpuBenchSettings) -> dict:
     """Run the benchmark (see the module docstring); the result as plain data, also written to
     ``settings.output_dir`` (gpu_bench.json, gpu_bench.md) when given."""
-    from .models import offline
+    from hf_polybasic.cli.models import offline
 
     with offline():
         return _run(settings)

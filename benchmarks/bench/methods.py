@@ -12,7 +12,7 @@ sequences. The factories build the methods:
 * `polybasic`: ours, ``custom_generate=hf_polybasic.generate`` with any ``assistant_models`` list
   and `PolybasicConfig`; its per-level statistics come from `hf_polybasic.last_stats`.
 
-The methods of `RECIPES` run on a `hf_polybasic.tools.model_sets.ModelSet` and name the pool
+The methods of `RECIPES` run on a `hf_polybasic.cli.model_sets.ModelSet` and name the pool
 entries they need (`needed_pool`), so only those are built.
 """
 
@@ -26,13 +26,13 @@ from typing import Any
 
 import torch
 
-from ...config import PolybasicConfig
-from ...drafters import Drafter, PromptLookup
-from ...generation import generate as polybasic_generate
-from ...generation import last_stats
-from ...stats import PolybasicStats
-from ..assisted import assisted_generate, assistant_settings
-from ..model_sets import ModelSet
+from hf_polybasic.config import PolybasicConfig
+from hf_polybasic.drafters import Drafter, PromptLookup
+from hf_polybasic.generation import generate as polybasic_generate
+from hf_polybasic.generation import last_stats
+from hf_polybasic.stats import PolybasicStats
+from hf_polybasic.cli.assisted import assisted_generate, assistant_settings
+from hf_polybasic.cli.model_sets import ModelSet
 
 RunFn = Callable[[torch.nn.Module, dict, dict], torch.Tensor]
 
@@ -103,7 +103,7 @@ def hf_assisted(
     adaptive K. ``num_assistant_tokens=None`` leaves every assistant field unset, i.e.
     transformers' defaults as a user gets them (5.23: 20 tokens, constant, confidence threshold
     0.4, adapted online only when scikit-learn is installed). The assistant's generation-config
-    fields are set for the call and restored afterwards (`hf_polybasic.tools.assisted`).
+    fields are set for the call and restored afterwards (`hf_polybasic.cli.assisted`).
     ``static``: the target on a static cache (transformers >= 5.24 takes one in assisted decoding
     and then compiles the target's forward on a GPU; `compat.ASSISTED_DECODING_TAKES_STATIC_CACHE`).
     """

@@ -10,7 +10,7 @@ most of them cut into chunks spread over several packages. For a registry entry 
    safetensors shards plus config and tokenizer under ``<cache_dir>/<name>/`` (streamed: the
    float32 model is never whole in memory),
 
-after which `hf_polybasic.tools.loading.load` takes seconds (this module installs and caches;
+after which `hf_polybasic.cli.loading.load` takes seconds (this module installs and caches;
 `loading` is the one place models are loaded). Every step is idempotent: a finished cache directory is never
 rebuilt, and a model directory exists only once fully written (it is written under a temporary
 name and renamed). Not safe against two processes installing the same model at once.
@@ -18,7 +18,7 @@ name and renamed). Not safe against two processes installing the same model at o
 The weights are the GGUF's 4-bit quantized values dequantized to float32, not the original bf16
 checkpoints. Converting needs the ``gguf`` and ``accelerate`` packages; loading the cache does not.
 
-    >>> from hf_polybasic.tools import loading
+    >>> from hf_polybasic.cli import loading
     >>> target, tokenizer = loading.load("qwen2.5-coder-1.5b-instruct")
     >>> drafter, _ = loading.load("qwen2.5-coder-0.5b-instruct")   # same tokenizer
 """
@@ -46,7 +46,7 @@ from ..compat import gguf_tensors
 __all__ = ["MODELS", "Chunk", "Model", "UnknownModelError", "available", "get", "install", "load"]
 
 # the most bytes of float32 weights a converted model holds per safetensors shard: conversion holds
-# one shard in memory, so does the bfloat16 copy (`hf_polybasic.tools.loading`) in bfloat16
+# one shard in memory, so does the bfloat16 copy (`hf_polybasic.cli.loading`) in bfloat16
 SHARD_BYTES = 1 << 30
 
 

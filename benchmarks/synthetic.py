@@ -39,8 +39,8 @@ from dataclasses import asdict, dataclass
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from ..drafters import Drafter
-from ..levels import early_exit
+from hf_polybasic.drafters import Drafter
+from hf_polybasic.levels import early_exit
 
 PAD, BOS, EOS = 0, 1, 2
 FIRST_TOKEN = 3  # ids below are special: never in a prompt, never predicted by the skeleton

@@ -2,8 +2,8 @@
 
 `load` gives ``(model, tokenizer)`` in float32 or bfloat16, `load_int8` the int8-dynamic model,
 `pack` packs a loaded model's linear layers; every tool builds its models through these
-(`hf_polybasic.tools.model_sets` for the benchmark's sets). Models are installed on first use
-(`hf_polybasic.tools.models`), never from the Hugging Face Hub.
+(`hf_polybasic.cli.model_sets` for the benchmark's sets). Models are installed on first use
+(`hf_polybasic.cli.models`), never from the Hugging Face Hub.
 
 * float32 loads straight from the cached safetensors (memory-mapped: pages become resident only
   when read; the embedding only for the rows of tokens actually used);

@@ -19,10 +19,11 @@ from ..costs.hardware import describe_machine
 
 
 def command_line() -> str:
-    """This process's command line, as typed (``python -m hf_polybasic.tools.bench`` for the module)."""
+    """This process's command line, as typed (``python -m benchmarks.bench ...`` for a module run with -m)."""
     program = sys.argv[0] if sys.argv else "python"
-    if program.endswith("__main__.py"):
-        head = ["python", "-m", "hf_polybasic.tools.bench"]
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    if program.endswith("__main__.py") and spec is not None:
+        head = ["python", "-m", spec.name.removesuffix(".__main__")]
     else:
         head = [Path(program).name]
     return shlex.join(head + sys.argv[1:])

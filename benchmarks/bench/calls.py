@@ -8,43 +8,13 @@ from collections.abc import Sequence
 
 import torch
 
-from . import prompts as prompt_sets
-from ..harness import timed_call
-from ..model_sets import ModelSet
+from hf_polybasic.cli.harness import timed_call
+from hf_polybasic.cli.model_sets import ModelSet
+from hf_polybasic.cli.prompts import encode, messages_for
+
 from .methods import Method
 from .report import first_difference
 from .settings import DECODINGS, BenchSettings
-
-
-def encode(model_set: ModelSet, messages: list[dict], max_new_tokens: int) -> tuple[dict, int]:
-    """Chat-templated inputs (``add_generation_prompt=True``), cut to the model's context if needed;
-    also returns how many prompt tokens were cut."""
-    encoded = model_set.tokenizer.apply_chat_template(
-        messages, add_generation_prompt=True, return_dict=True, return_tensors="pt"
-    )
-    input_ids = encoded["input_ids"]
-    attention_mask = encoded.get("attention_mask")
-    if attention_mask is None:
-        attention_mask = torch.ones_like(input_ids)
-    cut = 0
-    if model_set.context_length is not None:
-        room = model_set.context_length - max_new_tokens
-        if room < 1:
-            raise ValueError(f"max_new_tokens={max_new_tokens} leaves no room for a prompt in this model's context")
-        cut = max(0, input_ids.shape[1] - room)
-        input_ids, attention_mask = input_ids[:, cut:], attention_mask[:, cut:]
-    device = next(model_set.target.parameters()).device
-    return {"input_ids": input_ids.to(device), "attention_mask": attention_mask.to(device)}, cut
-
-
-def messages_for(question: prompt_sets.Question, turn: int, answers: list[str]) -> list[dict]:
-    """The chat for ``turn``: earlier user turns each followed by this method's own answer."""
-    messages = []
-    for index in range(turn):
-        messages.append({"role": "user", "content": question.turns[index]})
-        messages.append({"role": "assistant", "content": answers[index]})
-    messages.append({"role": "user", "content": question.turns[turn]})
-    return messages
 
 
 def decoding_options(settings: BenchSettings, max_new_tokens: int | None = None) -> dict:

@@ -28,9 +28,9 @@ from pathlib import Path
 
 import torch
 
-from .. import compat
-from ..costs import hardware
-from ..runners.dynamic import CachedModel
+from hf_polybasic import compat
+from hf_polybasic.costs import hardware
+from hf_polybasic.runners.dynamic import CachedModel
 
 CONTEXT = 64
 
@@ -51,7 +51,7 @@ def qwen3_next_shape(layers: int = 4, experts: int = 16, vocab: int = 16384) -> 
 
 
 def tiny_shape() -> torch.nn.Module:
-    from ..testing import make_target
+    from hf_polybasic.testing import make_target
 
     return make_target("qwen3_next", seed=0, layers=4)
 

@@ -24,10 +24,10 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from ..models import nf4 as four_bit
-from ..costs import forward_cost
-from ..drafters import Drafter, PromptLookup
-from ..levels import early_exit, quantized_copy, restricted_vocabulary
+from hf_polybasic.models import nf4 as four_bit
+from hf_polybasic.costs import forward_cost
+from hf_polybasic.drafters import Drafter, PromptLookup
+from hf_polybasic.levels import early_exit, quantized_copy, restricted_vocabulary
 
 
 @torch.no_grad()
@@ -163,7 +163,7 @@ def run_levels_table(models_kind: str, k: int, new_tokens: int, stride: int, rep
     ``only``: measure just the candidates whose name contains one of these strings; ``restricted``:
     add the drafter with its output layer restricted to each of these numbers of ids."""
     if models_kind == "qwen":
-        from . import loading
+        from hf_polybasic.cli import loading
 
         target, tokenizer = loading.load("qwen2.5-coder-1.5b-instruct")
         small, _ = loading.load("qwen2.5-coder-0.5b-instruct")
@@ -175,7 +175,7 @@ def run_levels_table(models_kind: str, k: int, new_tokens: int, stride: int, rep
         ]
         candidates = qwen_candidates(target, small, restricted, tokenizer)
     else:
-        from ..testing import make_target, noisy_copy, prompt
+        from hf_polybasic.testing import make_target, noisy_copy, prompt
 
         target = make_target("llama", seed=0, layers=4)
         prompts = [prompt(8, seed=s) for s in range(len(PROFILE_PROMPTS))]

@@ -1,7 +1,7 @@
 """``hf-polybasic bench``: the Spec-Bench-style benchmark from the command line.
 
 `add_bench_parser` registers the subcommand on the package's command line; ``python -m
-hf_polybasic.tools.bench`` runs it on its own.
+benchmarks.bench`` (from the repository root) runs it on its own.
 """
 
 from __future__ import annotations
@@ -107,7 +107,7 @@ def run_from_args(args: argparse.Namespace) -> int:
             default = "default" if name in DEFAULT_METHODS else "       "
             print(f"{name:<27} {default}  needs: {', '.join(recipe.needs) or '-'}")
         return 0
-    from ..machine import command_line
+    from hf_polybasic.cli.machine import command_line
 
     command = getattr(args, "command_line", None) or command_line()
     try:

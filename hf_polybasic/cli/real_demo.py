@@ -6,9 +6,9 @@
    bfloat16 when it is about as fast (half the memory). Packed kernels (`hf_polybasic.models.packed`) are
    used when they are the fast ones: opted in here, said so, and measured against the same model
    unpacked.
-3. Models load with as little memory as their use needs (`hf_polybasic.tools.loading`): the peak
+3. Models load with as little memory as their use needs (`hf_polybasic.cli.loading`): the peak
    resident memory of the whole run is printed at the end. On the first run both models are
-   installed and converted (streamed, `hf_polybasic.tools.models`) before either is loaded.
+   installed and converted (streamed, `hf_polybasic.cli.models`) before either is loaded.
 4. Plain `generate` as loaded, plain `generate` on the packed target, then the chains target <-
    0.5B int8 and target <- 0.5B int8 <- PromptLookup with the default configuration: text,
    tokens/s, speedups, whether each output equals plain `generate`'s, and the statistics.

@@ -29,10 +29,11 @@ from pathlib import Path
 
 import torch
 
+from hf_polybasic.cli.harness import process_peak_rss_mib
+from hf_polybasic.cli.machine import command_line, machine_info
+from hf_polybasic.cli.model_sets import ModelSet, build_model_set
+
 from . import prompts as prompt_sets
-from ..harness import process_peak_rss_mib
-from ..machine import command_line, machine_info
-from ..model_sets import ModelSet, build_model_set
 from .calls import generate_once, messages_for, mismatch_detail
 from .methods import Method, build_methods, needed_pool, resolve_names
 from .records import fingerprint, question_seed, read_records, record_key, unit_key

@@ -20,13 +20,14 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from ..config import PolybasicConfig
-from ..generation import generate as polybasic_generate
-from ..generation import last_stats
+from hf_polybasic.config import PolybasicConfig
+from hf_polybasic.generation import generate as polybasic_generate
+from hf_polybasic.generation import last_stats
+from hf_polybasic.cli.harness import process_peak_rss_mib, timed_call
+from hf_polybasic.cli.machine import command_line, machine_info
+from hf_polybasic.cli.model_sets import build_model_set
+
 from .bench.prompts import questions_of
-from .harness import process_peak_rss_mib, timed_call
-from .machine import command_line, machine_info
-from .model_sets import build_model_set
 
 
 def code_prompts(count: int, question_set: str = "heldout") -> list[str]:

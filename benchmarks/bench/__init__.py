@@ -2,7 +2,7 @@
 on the same prompts with the same budget.
 
 * `prompts`: the questions (a Spec-Bench JSONL file, or the shipped default set) and task groups;
-* `methods`: the compared methods, as small named factories (the model sets are `..model_sets`);
+* `methods`: the compared methods, as small named factories (the model sets are `hf_polybasic.cli.model_sets`);
 * `settings`: what a run is; `calls`: one timed call; `records`: the results cache;
 * `runner`: the timed, cached, resumable run;
 * `report`: aggregation (Spec-Bench's speedup formula), the markdown table and the plots;
@@ -10,13 +10,14 @@ on the same prompts with the same budget.
 
 From Python::
 
-    from hf_polybasic.tools.bench import BenchSettings, run_benchmark
+    from benchmarks.bench import BenchSettings, run_benchmark
     result = run_benchmark(BenchSettings(models="tiny", questions_per_group=1, max_new_tokens=16,
                                          output_dir="/tmp/bench"))
     print(result.summary["table"]["overall"]["ours-draft"]["speedup"])
 """
 
-from ..model_sets import ModelSet
+from hf_polybasic.cli.model_sets import ModelSet
+
 from .methods import DEFAULT_METHODS, RECIPES, Method, MethodOptions
 from .methods import hf_assisted, hf_prompt_lookup, plain, polybasic
 from .report import speedup

@@ -30,8 +30,9 @@ from pathlib import Path
 
 import torch
 
+from hf_polybasic.cli.model_sets import QWEN_DRAFT, QWEN_TARGET
+
 from .bench.prompts import questions_of
-from .model_sets import QWEN_DRAFT, QWEN_TARGET
 
 DEFAULT_SIZES = (8192, 16384, 32768, 49152, 65536)
 # the benchmark's committed runs: greedy on both shipped sets, and sampled (T 0.7, top-p 0.9)
@@ -141,7 +142,7 @@ def run_vocab_coverage(results: Sequence[str] = DEFAULT_RESULTS, sizes: Sequence
     """Coverage per decoding mode and question group, and over all; with ``drafters`` ("int8",
     "bf16": the 0.5B so loaded) their greedy agreement with the greedy outputs, K = ``k``, per N;
     printed and (with ``out``) written as vocab_coverage.md/.json."""
-    from . import loading
+    from hf_polybasic.cli import loading
 
     tokenizer = loading.load_tokenizer(QWEN_TARGET)
     special = set(tokenizer.all_special_ids) | set(tokenizer.added_tokens_decoder)

@@ -7,7 +7,7 @@ copies: int4 through torch's own int4 kernels, always, and nf4 where bitsandbyte
 extra, is installed): the median seconds of one forward scoring k new tokens after a 64-token
 context (`hf_polybasic.costs.measure_curve`, the same measurement the cost-aware schedule uses), and
 T(k)/T(1), what a verification of k tokens costs in decoding steps.
-Models are loaded one at a time (`hf_polybasic.tools.loading`), so the peak memory is that of the
+Models are loaded one at a time (`hf_polybasic.cli.loading`), so the peak memory is that of the
 largest.
 
 ``restricted=(N, ...)`` adds, for every 0.5B variant, the same model with its output layer restricted

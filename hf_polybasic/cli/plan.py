@@ -1,10 +1,10 @@
 """``hf-polybasic plan``: profile a pool, plan a chain, and with ``--validate`` check the plan by measuring.
 
-The pool (`hf_polybasic.tools.model_sets.build_pool`): ``qwen`` is the Qwen2.5-Coder 1.5B target,
+The pool (`hf_polybasic.cli.model_sets.build_pool`): ``qwen`` is the Qwen2.5-Coder 1.5B target,
 an int8 copy of it, the 0.5B in int8, an early exit of the target and
 ``PromptLookup(max_ngram=3, num_tokens=8)``; ``tiny`` is the same shape built from random models
 (mechanics only: their forwards cost so little that per-call overheads dominate). The validation
-is `hf_polybasic.tools.plan_validation`, its report `hf_polybasic.tools.plan_report`.
+is `hf_polybasic.cli.plan_validation`, its report `hf_polybasic.cli.plan_report`.
 """
 
 from __future__ import annotations
@@ -17,12 +17,11 @@ from pathlib import Path
 import torch
 
 from ..planning import plan, profile
-from .bench.prompts import default_questions
-from .bench.calls import encode, messages_for
 from .machine import machine_info
 from .model_sets import DEFAULT_DTYPE, Pool, build_pool
 from .plan_report import plot_predicted_vs_measured, validation_markdown
 from .plan_validation import GRIDS, grid_chains, validate, validation_grid
+from .prompts import default_questions, encode, messages_for
 
 # one question per group in this order, then the second of each, ...: copy-heavy tasks come first
 PROMPT_GROUPS = ("code", "summarization", "qa", "math reasoning", "rag", "translation", "multi-turn conversation")

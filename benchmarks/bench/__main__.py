@@ -1,0 +1,7 @@
+"""``python -m benchmarks.bench [options]`` (from the repository root): the same as ``hf-polybasic bench [options]``."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())
