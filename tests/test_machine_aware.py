@@ -17,7 +17,7 @@ from hf_polybasic.levels import quantized_copy
 from hf_polybasic.models.copies import quantize_linear_layers
 from hf_polybasic.costs import cost_key
 from hf_polybasic.testing import SimulatedClock, make_target
-from hf_polybasic.cli import loading
+from hf_polybasic.cli import pages
 from hf_polybasic.cli.real_demo import BF16_TOLERANCE, VERIFY_ROWS, choose_target
 
 
@@ -132,7 +132,7 @@ def test_layer_by_layer_conversions_call_back_once_per_replaced_layer():
 @pytest.mark.skipif(not __import__("sys").platform.startswith("linux"), reason="madvise on Linux only")
 def test_release_file_pages_never_touches_anonymous_memory_and_keeps_file_data(tmp_path):
     anonymous = torch.arange(4 * mmap.PAGESIZE, dtype=torch.float32)
-    assert not loading.release_file_pages(anonymous)
+    assert not pages.release_file_pages(anonymous)
     assert torch.equal(anonymous, torch.arange(4 * mmap.PAGESIZE, dtype=torch.float32))  # untouched
     path = tmp_path / "weights.bin"
     values = np.arange(8 * mmap.PAGESIZE, dtype=np.float32)
@@ -141,13 +141,13 @@ def test_release_file_pages_never_touches_anonymous_memory_and_keeps_file_data(t
         warnings.simplefilter("ignore", UserWarning)  # read-only memory: we only read it
         mapped = torch.from_numpy(np.memmap(path, dtype=np.float32, mode="r")[:])
     assert float(mapped.sum()) == float(values.sum())  # pages resident
-    assert loading.release_file_pages(mapped)
+    assert pages.release_file_pages(mapped)
     assert torch.equal(mapped, torch.from_numpy(values))  # read again from the file, unchanged
     array = np.memmap(path, dtype=np.float32, mode="r")  # a numpy view of a file (a GGUF tensor's data)
     assert float(array.sum()) == float(values.sum())
-    assert loading.release_file_pages(array) and np.array_equal(array, values)
-    assert not loading.release_file_pages(values)  # anonymous numpy memory is never touched
-    assert loading.release_freed_heap() in (True, False)  # glibc's malloc_trim, or nothing
+    assert pages.release_file_pages(array) and np.array_equal(array, values)
+    assert not pages.release_file_pages(values)  # anonymous numpy memory is never touched
+    assert pages.release_freed_heap() in (True, False)  # glibc's malloc_trim, or nothing
 
 
 def test_the_costs_command_measures_every_variant_and_writes_its_table(tmp_path):

@@ -254,7 +254,7 @@ def test_conversion_streams_one_shard_at_a_time(tiny, tiny_gguf, tmp_path, monke
     monkeypatch.setattr(safetensors.torch, "save_file", save_file)
     monkeypatch.setattr(models, "SHARD_BYTES", 40_000)  # the tiny model's float32 weights are about 140 kB
     trims = []  # the heap freed while converting is handed back once, at the end
-    monkeypatch.setattr(loading, "release_freed_heap", lambda: trims.append(len(shards)) or True)
+    monkeypatch.setattr(models, "release_freed_heap", lambda: trims.append(len(shards)) or True)
     path = models.install(tiny, cache_dir=tmp_path / "cache", progress=False)
     assert len(shards) >= 3 and max(size for _, size in shards) <= 40_000
     assert trims == [len(shards)]

@@ -6,7 +6,7 @@ models from PyPI: ``hf-polybasic models``), `costs_table` (``hf-polybasic costs`
 `main`. The library (`hf_polybasic`) never imports from here. Shared pieces, which the benchmarks
 (``benchmarks/`` in a checkout of the repository, not installed) use too:
 
-* `loading`: the one loader of the real models (`loading.load`);
+* `loading`: the one loader of the real models (`loading.load`), `pages` the memory it gives back;
 * `model_sets`: the tiny and Qwen model sets and the one table of their labels;
 * `prompts`: the default prompt set and how a prompt is encoded for a model set;
 * `harness`: the one way a ``generate`` call is timed (wall time, forward passes, memory);

@@ -42,6 +42,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..compat import gguf_tensors
+from .pages import release_file_pages, release_freed_heap
 
 __all__ = ["MODELS", "Chunk", "Model", "UnknownModelError", "available", "get", "install", "load"]
 
@@ -424,7 +425,7 @@ def convert(gguf_path: Path, out_dir: Path, manifest: dict, shard_bytes: int | N
     Streamed tensor by tensor (`hf_polybasic.compat.gguf_tensors`, `write_shards`): the model is
     built on the meta device for its names only, never loaded; memory holds one shard being
     gathered and the tensor being dequantized, and each GGUF tensor's file pages are given back
-    once used; the heap it freed is handed back at the end (`loading.release_freed_heap`).
+    once used; the heap it freed is handed back at the end (`pages.release_freed_heap`).
     ``from_pretrained(gguf_file=...)`` + ``save_pretrained`` gives the same weights but holds the
     whole float32 model: 8.7 GiB peak for the 1.5B, against 3.6 GiB streamed.
     ``out_dir`` appears only once complete (written as ``<out_dir>.partial``, then renamed), with
@@ -432,7 +433,6 @@ def convert(gguf_path: Path, out_dir: Path, manifest: dict, shard_bytes: int | N
     """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from .loading import release_file_pages, release_freed_heap
 
     _require_gguf_support()
     partial = out_dir.with_name(out_dir.name + ".partial")
