@@ -1,9 +1,7 @@
 """The benchmarks of hf_polybasic: tooling that measures the package, kept in the repository and
 out of the installed package (``pyproject.toml`` installs only ``hf_polybasic*``).
 
-Run them from the repository root: ``python -m benchmarks <command> [options]``, or
-``hf-polybasic <command>`` when the package runs from this checkout (``pip install -e .``, or
-``python -m hf_polybasic.cli``). The commands are in `benchmarks.cli`; ``python -m benchmarks.bench``
+Run them from the repository root: ``python -m benchmarks <command> [options]``. The commands are in `benchmarks.cli`; ``python -m benchmarks.bench``
 runs the Spec-Bench-style benchmark on its own.
 
 They reach the package only through absolute imports (``from hf_polybasic... import``): its public

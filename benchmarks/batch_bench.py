@@ -1,4 +1,4 @@
-"""``hf-polybasic batches``: batched decoding, ours against plain batched ``generate``, per batch size.
+"""``python -m benchmarks batches``: batched decoding, ours against plain batched ``generate``, per batch size.
 
 transformers refuses assisted generation for more than one row, so the user's alternative for a
 batch is plain batched ``generate``. For each batch size B, the first B prompts of the shipped code

@@ -1,6 +1,5 @@
-"""The benchmark commands: ``python -m benchmarks <command>`` from the repository root, or
-``hf-polybasic <command>`` when the package runs from this checkout (`hf_polybasic.cli.main`
-registers them through `add_benchmark_parsers`).
+"""The benchmark commands: ``python -m benchmarks <command>`` from the repository root (the installed
+``hf-polybasic`` names them and says where they run, `hf_polybasic.cli.main.BENCHMARK_COMMANDS`).
 
 ``bench`` (`benchmarks.bench`), ``gpu-bench`` (`benchmarks.gpu_bench`), ``batches``
 (`benchmarks.batch_bench`), ``levels`` (`benchmarks.levels_table`), ``vocab-coverage``
@@ -113,7 +112,7 @@ def add_benchmark_parsers(commands) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m benchmarks <command> [options]``: the same as ``hf-polybasic <command> [options]``."""
+    """``python -m benchmarks <command> [options]``."""
     parser = argparse.ArgumentParser(prog="python -m benchmarks", description="The benchmarks of hf_polybasic")
     add_benchmark_parsers(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(argv)

@@ -1,4 +1,4 @@
-"""``hf-polybasic gpu-bench``: the engine on a GPU, against plain ``generate`` and transformers'
+"""``python -m benchmarks gpu-bench``: the engine on a GPU, against plain ``generate`` and transformers'
 assisted generation, on models built in code (no network, no downloads, no tokenizer).
 
 The models (`benchmarks.synthetic`): a random target of a real shape (default Llama-3-8B,
@@ -74,7 +74,7 @@ class GpuBenchError(RuntimeError):
 
 @dataclass(frozen=True)
 class GpuBenchSettings:
-    """What ``hf-polybasic gpu-bench`` runs (see `TINY` for ``--tiny``)."""
+    """What ``python -m benchmarks gpu-bench`` runs (see `TINY` for ``--tiny``)."""
 
     device: str = "cuda"
     shape: str = "llama3-8b"
@@ -171,7 +171,7 @@ def check_device(settings: GpuBenchSettings) -> torch.device:
             raise GpuBenchError(
                 f"--device {settings.device}: torch sees no CUDA device (torch {torch.__version__}, built for CUDA "
                 f"{torch.version.cuda or 'none'}). Without a GPU, run the smoke test: "
-                "hf-polybasic gpu-bench --device cpu --tiny"
+                "python -m benchmarks gpu-bench --device cpu --tiny"
             )
         index = device.index if device.index is not None else torch.cuda.current_device()
         device = torch.device("cuda", index)
@@ -804,7 +804,7 @@ def markdown(result: dict) -> str:
     s, m, model = result["settings"], result["machine"], result["model"]
     device = f"{m['gpu']} ({m['gpu_memory_gib']} GiB), CUDA {m['cuda']}" if m.get("gpu") else f"CPU: {m.get('cpu')}"
     lines = [
-        f"# hf-polybasic gpu-bench: {model['shape']} ({_count(model['parameters'])} parameters, {model['dtype']}, "
+        f"# python -m benchmarks gpu-bench: {model['shape']} ({_count(model['parameters'])} parameters, {model['dtype']}, "
         "random weights, structured)",
         "",
         f"Device: {device}; torch {m.get('torch')}, transformers {m.get('transformers')}, hf_polybasic "
@@ -941,7 +941,7 @@ def _handle(args) -> int:
     try:
         result = run_gpu_bench(settings_from_args(args))
     except GpuBenchError as error:
-        print(f"hf-polybasic gpu-bench: {error}", file=sys.stderr)
+        print(f"python -m benchmarks gpu-bench: {error}", file=sys.stderr)
         return 2
     print(markdown(result))
     return 0

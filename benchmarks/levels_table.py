@@ -7,7 +7,7 @@
   is the expected number of accepted drafts per greedy verification (0..K).
 
 These are the T_i and acceptance numbers the theory (Lemma 3.1, Theorem 3.2) consumes; the
-``hf-polybasic levels`` command turns them into the cost/agreement table of the docs.
+``python -m benchmarks levels`` command turns them into the cost/agreement table of the docs.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""``hf-polybasic rollback-cost``: what rolling back a hybrid model's recurrent state costs per round.
+"""``python -m benchmarks rollback-cost``: what rolling back a hybrid model's recurrent state costs per round.
 
 A verification round of a hybrid model that scores k drafts and keeps j of them costs, beyond the
 verification forward itself (`hf_polybasic.runners.recurrent`):

@@ -1,5 +1,5 @@
 """Models built in code whose levels agree with the target by construction, and a drafter with a set
-acceptance rate and a set cost: the instruments of ``hf-polybasic gpu-bench``.
+acceptance rate and a set cost: the instruments of ``python -m benchmarks gpu-bench``.
 
 Random weights at a real size cost what a real model of that shape costs (a forward's time does
 not depend on the values), but a random model's levels agree with it by accident, and its greedy

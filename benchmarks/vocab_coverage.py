@@ -1,4 +1,4 @@
-"""``hf-polybasic vocab-coverage``: how much of real text a restricted drafter vocabulary covers.
+"""``python -m benchmarks vocab-coverage``: how much of real text a restricted drafter vocabulary covers.
 
 `hf_polybasic.levels.restricted_vocabulary` keeps the first N token ids (BPE merge order, which
 follows frequency), the special tokens, and every token the drafter has been fed. This measures,

@@ -18,7 +18,7 @@ from . import compat
 from .compat import new_dynamic_cache
 from .config import PolybasicConfig
 from .drafters import AddedPromptLookup, Drafter
-from .decoding.processing import reject_stateful_processors
+from .processing import reject_stateful_processors
 from .models.vocab_head import drafting_view
 from .vocabulary import as_id_list, check_chain_vocabularies
 

@@ -1,5 +1,6 @@
 """The command line (real-model paths need downloads and are not run here)."""
 
+import benchmarks.cli
 from hf_polybasic.cli import main as cli
 
 
@@ -21,14 +22,14 @@ def test_models_list_names_every_model_with_its_state(capsys, tmp_path):
 
 
 def test_levels_on_tiny_models(capsys, tmp_path):
-    assert cli.main(["levels", "--models", "tiny", "--k", "3", "--new-tokens", "8", "--repeats", "1"]) == 0
+    assert benchmarks.cli.main(["levels", "--models", "tiny", "--k", "3", "--new-tokens", "8", "--repeats", "1"]) == 0
     assert "| target |" in capsys.readouterr().out
 
 
 def test_batches_command_on_tiny_models(capsys, tmp_path):
     import json
 
-    assert cli.main(["batches", "--models", "tiny", "--batch-sizes", "1,3", "--max-new-tokens", "8", "--repeats", "1",
+    assert benchmarks.cli.main(["batches", "--models", "tiny", "--batch-sizes", "1,3", "--max-new-tokens", "8", "--repeats", "1",
                      "--output", str(tmp_path), "--no-progress"]) == 0
     result = json.loads((tmp_path / "batches.json").read_text())
     assert [row["batch"] for row in result["rows"]] == [1, 3]
@@ -46,18 +47,15 @@ def test_rollback_cost_on_a_tiny_hybrid(capsys, tmp_path):
     from hf_polybasic import compat
     if not compat.HAS_RECURRENT_CACHE_LAYERS:
         pytest.skip("transformers < 5.15: hybrid models are refused")
-    assert cli.main(["rollback-cost", "--tiny", "--ks", "2,4", "--repeats", "1", "--out", str(tmp_path)]) == 0
+    assert benchmarks.cli.main(["rollback-cost", "--tiny", "--ks", "2,4", "--repeats", "1", "--out", str(tmp_path)]) == 0
     rows = json.loads((tmp_path / "rollback_cost.json").read_text())["rows"]
     assert [(row["k"], row["kept"], row["refed_tokens"]) for row in rows] == [(2, 0, 1), (2, 1, 2), (2, 2, 0), (4, 0, 1), (4, 2, 3), (4, 4, 0)]
     assert all(row["copy_ms"] > 0 and row["verify_ms"] > 0 for row in rows)
     assert "| k | kept | T(k+1) ms |" in capsys.readouterr().out
 
 
-def test_benchmark_commands_come_from_the_checkout_and_say_where_they_run_without_it(capsys, monkeypatch):
-    import benchmarks.cli
-
+def test_the_installed_command_line_says_where_the_benchmarks_run(capsys):
     assert tuple(cli.BENCHMARK_COMMANDS) == benchmarks.cli.COMMANDS  # the stubs name what the checkout has
-    monkeypatch.setattr(cli, "_benchmarks", lambda: None)  # an installed wheel: no benchmarks/ beside the package
     assert cli.main(["bench", "--quick", "--models", "tiny"]) == 2
     assert "python -m benchmarks bench" in capsys.readouterr().err
     assert cli.main(["gpu-bench", "--help"]) == 2
@@ -73,4 +71,4 @@ def test_the_package_never_imports_the_benchmarks():
     package = Path(hf_polybasic.__file__).parent
     importing = re.compile(r"^\s*(from|import)\s+benchmarks\b", re.MULTILINE)
     found = [str(path.relative_to(package)) for path in package.rglob("*.py") if importing.search(path.read_text())]
-    assert found == ["cli/main.py"]  # only its lazy registration of the benchmark commands, guarded
+    assert found == []

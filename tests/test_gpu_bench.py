@@ -1,4 +1,4 @@
-"""``hf-polybasic gpu-bench``: its smoke test on the CPU (the same code path as on a GPU, tiny
+"""``python -m benchmarks gpu-bench``: its smoke test on the CPU (the same code path as on a GPU, tiny
 models), its instruments (the structured target, the synthetic drafter) and its arithmetic."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch
 from hf_polybasic import compat
 from hf_polybasic.levels import early_exit
 from benchmarks import gpu_bench
-from hf_polybasic.cli import main as cli
+import benchmarks.cli as cli
 from hf_polybasic.cli.harness import timed_call
 from benchmarks.synthetic import FIRST_TOKEN, ReferenceDrafter, build_target, random_prompts
 
@@ -94,7 +94,7 @@ def test_cuda_asked_without_a_gpu_is_a_clear_error(capsys, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert cli.main(["gpu-bench", "--tiny", "--no-progress"]) == 2
     error = capsys.readouterr().err
-    assert "torch sees no CUDA device" in error and "hf-polybasic gpu-bench --device cpu --tiny" in error
+    assert "torch sees no CUDA device" in error and "python -m benchmarks gpu-bench --device cpu --tiny" in error
 
 
 @pytest.mark.cuda

@@ -27,7 +27,7 @@ from hf_polybasic.decoding.build import ChainParts
 from hf_polybasic.decoding.round import ModelDrafter
 from hf_polybasic.generation import make_generate
 from hf_polybasic.levels import quantized_copy, restricted_vocabulary
-from hf_polybasic.decoding.processing import process_positions
+from hf_polybasic.processing import process_positions
 from hf_polybasic.testing import EOS, make_chain, make_target, prompt
 from hf_polybasic.models.vocab_head import RestrictedLinear
 
@@ -302,7 +302,7 @@ def test_sampled_tokens_of_a_restricted_chain_are_ones_the_target_can_sample(dis
 
 
 def test_the_coverage_tools_teacher_forced_agreement_is_the_restricted_drafters_own():
-    """`hf-polybasic vocab-coverage --drafter` computes a restricted drafter's greedy agreement from
+    """`python -m benchmarks vocab-coverage --drafter` computes a restricted drafter's greedy agreement from
     one teacher-forced forward; it equals drafting with the `restricted_vocabulary` view itself."""
     from benchmarks.levels_table import greedy_agreement
     from benchmarks.vocab_coverage import drafter_agreement

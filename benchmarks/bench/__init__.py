@@ -6,7 +6,7 @@ on the same prompts with the same budget.
 * `settings`: what a run is; `calls`: one timed call; `records`: the results cache;
 * `runner`: the timed, cached, resumable run;
 * `report`: aggregation (Spec-Bench's speedup formula), the markdown table and the plots;
-* `cli`: ``hf-polybasic bench`` (`add_bench_parser`).
+* `cli`: ``python -m benchmarks bench`` (`add_bench_parser`).
 
 From Python::
 

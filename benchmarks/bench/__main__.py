@@ -1,4 +1,4 @@
-"""``python -m benchmarks.bench [options]`` (from the repository root): the same as ``hf-polybasic bench [options]``."""
+"""``python -m benchmarks.bench [options]`` (from the repository root): the same as ``python -m benchmarks bench [options]``."""
 
 import sys
 

@@ -1,4 +1,4 @@
-"""``hf-polybasic bench``: the Spec-Bench-style benchmark from the command line.
+"""``python -m benchmarks bench``: the Spec-Bench-style benchmark from the command line.
 
 `add_bench_parser` registers the subcommand on the package's command line; ``python -m
 benchmarks.bench`` (from the repository root) runs it on its own.
@@ -121,7 +121,7 @@ def run_from_args(args: argparse.Namespace) -> int:
 
             result = run_benchmark(settings)
     except (ValueError, FileNotFoundError) as error:
-        print(f"hf-polybasic bench: error: {error}", file=sys.stderr)
+        print(f"python -m benchmarks bench: error: {error}", file=sys.stderr)
         return 2
     print((result.output_dir / "results.md").read_text(encoding="utf-8"))
     print(f"[bench] {result.units_run} calls run, {result.units_cached} taken from the cache; "

@@ -22,7 +22,7 @@ WARMUP_TOKENS = 8
 
 @dataclass
 class BenchSettings:
-    """What to run; see ``hf-polybasic bench --help`` for each field."""
+    """What to run; see ``python -m benchmarks bench --help`` for each field."""
 
     models: str = "tiny"
     target_dtype: str = "fp32"

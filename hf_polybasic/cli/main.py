@@ -1,16 +1,15 @@
 """Command line: ``hf-polybasic <command>``. Each command lives in its own module.
 
 The package's commands are ``demo``, ``models``, ``costs`` and ``plan``. The benchmark commands
-(`BENCHMARK_COMMANDS`) live in the repository's ``benchmarks/`` folder, which is not installed:
-they are registered from it when it can be imported (the package runs from a checkout), and
-otherwise say where they run.
+(`BENCHMARK_COMMANDS`) live in the repository's ``benchmarks/`` folder, which is not installed and
+which the package never imports: here they only say where they run (``python -m benchmarks
+<command>`` from a checkout).
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 from .plan import add_plan_parser
 
@@ -108,56 +107,25 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _benchmarks():
-    """The checkout's ``benchmarks.cli``, None where there is none (an installed wheel), or the
-    ImportError of benchmarks that are there but cannot be imported (a missing dependency).
-
-    From the repository root (``python -m hf_polybasic.cli``, pytest) ``benchmarks`` imports as is;
-    where the package is imported from a checkout whose root is not on ``sys.path`` (the
-    ``hf-polybasic`` script of an editable install), the root is added first.
-    """
-    root = Path(__file__).resolve().parents[2]
-    if (root / "benchmarks" / "cli.py").is_file() and str(root) not in sys.path:
-        sys.path.append(str(root))
-    try:
-        import benchmarks.cli
-    except ModuleNotFoundError as error:
-        if error.name in ("benchmarks", "benchmarks.cli"):
-            return None
-        return error
-    except ImportError as error:
-        return error
-    return benchmarks.cli
-
-
 def _add_benchmark_parsers(commands) -> None:
-    found = _benchmarks()
-    if found is not None and not isinstance(found, ImportError):
-        found.add_benchmark_parsers(commands)
-        return
     for name, help in BENCHMARK_COMMANDS.items():
-        stub = commands.add_parser(name, help=f"{help} (from a checkout of the repository)", add_help=False)
-        stub.set_defaults(handler=_unavailable, problem=found)  # takes any options (main)
+        stub = commands.add_parser(name, help=f"{help} (python -m benchmarks {name}, from a checkout)", add_help=False)
+        stub.set_defaults(handler=_elsewhere)  # takes any options (main)
 
 
-def _unavailable(args: argparse.Namespace) -> int:
-    if args.problem is not None:
-        print(f"hf-polybasic {args.command}: the benchmarks of this checkout cannot be imported: {args.problem}",
-              file=sys.stderr)
-    else:
-        print(
-            f"hf-polybasic {args.command}: the benchmarks are not part of the installed package. They run from a "
-            f"checkout of the repository, in its root: `python -m benchmarks {args.command} ...`, or "
-            f"`hf-polybasic {args.command} ...` with the checkout installed (`pip install -e .`).",
-            file=sys.stderr,
-        )
+def _elsewhere(args: argparse.Namespace) -> int:
+    print(
+        f"hf-polybasic {args.command}: the benchmarks are not part of the installed package. They run from a "
+        f"checkout of the repository, in its root: `python -m benchmarks {args.command} ...`",
+        file=sys.stderr,
+    )
     return 2
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
-    if unknown and args.handler is not _unavailable:
+    if unknown and args.handler is not _elsewhere:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     return args.handler(args)
 

@@ -26,7 +26,7 @@ from ..schedule.calibration import remembered as remembered_calibration
 from ..schedule.shape_gate import BYPASSED, DROPPED
 from ..stats import LevelStats, PolybasicStats
 from ..timing import DEFAULT_CLOCK, Clock
-from .processing import DecodingRules
+from ..processing import DecodingRules
 from .round import DrafterLevel, IntermediateLevel, ModelDrafter, Verifier
 
 

@@ -33,7 +33,7 @@ from .round import Verifier
 from ..costs import CostCurves
 from ..drafters import Drafter
 from ..runners.probe import check_cache, rows_problem
-from .processing import DecodingRules, processors_for_row
+from ..processing import DecodingRules, processors_for_row
 from ..request import Request
 from ..schedule import BatchGate
 from ..runners.static import StaticRunner, capacity_for

@@ -48,7 +48,7 @@ from ..schedule.shape_gate import BYPASSED, DROPPED
 from ..stats import LevelStats
 from ..timing import DEFAULT_CLOCK, Clock, timed
 from .acceptance import greedy_decision, speculative_decision
-from .processing import DecodingRules, process_positions
+from ..processing import DecodingRules, process_positions
 from .protocol import Block, Level, Proposal, Runner
 
 PROBABILITY_SUM_TOLERANCE = 1e-3

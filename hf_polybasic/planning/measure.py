@@ -20,7 +20,7 @@ from tqdm.auto import tqdm
 from ..compat import decoding_processors, resolved_decoding
 from ..costs import forward_cost
 from ..drafters import Drafter
-from ..decoding.processing import process_positions
+from ..processing import process_positions
 from ..timing import timed
 from .acceptance import is_int
 from .profile_data import DRAFTER, MODEL, TARGET, Profile, cost_order

@@ -16,7 +16,7 @@ layer code, and no forward pass is added: the next one is a few tokens longer. A
 that keeps all drafts restores nothing. Copies older than the last `commit` are dropped (no
 rollback reaches before it).
 
-Why this design (measured: ``hf-polybasic rollback-cost``, docs/howto/hybrid.md): the
+Why this design (measured: ``python -m benchmarks rollback-cost``, docs/howto/hybrid.md): the
 alternatives replay the state update over the kept positions from inputs recorded during the
 forward, or capture the state after every position inside the layer's kernel. Both need code per
 layer kind that mirrors transformers' kernels (and its chunked prefill path differs from its

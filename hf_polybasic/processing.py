@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import torch
 from transformers.generation import logits_process as lp
 
-from .. import compat
-from ..compat import processor_for_row, processor_on_device, shift_positions
+from . import compat
+from .compat import processor_for_row, processor_on_device, shift_positions
 
 @dataclass(frozen=True)
 class DecodingRules:
