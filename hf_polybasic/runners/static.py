@@ -2,7 +2,8 @@
 (and on a GPU captured as CUDA graphs).
 
 `StaticRunner` serves the same runner protocol as `hf_polybasic.runners.dynamic.CachedModel`
-(`hf_polybasic.decoding.protocol.Runner`): the chain does not know which one it drives.
+(`hf_polybasic.decoding.protocol.Runner`; the half they share is `hf_polybasic.runners.base.RunnerBase`):
+the chain does not know which one it drives.
 
 Layout, per row of the batch: the token at position p lives in slot p of the row's part of a
 preallocated cache ``[rows, heads, capacity, head_dim]`` (`SlotCache`). A forward writes each row's
@@ -41,10 +42,8 @@ from collections.abc import Callable
 import torch
 
 from .. import compat
-from .attention import attention_for
-from ..vocabulary import input_vocabulary_size
-from .dynamic import check_ids, to_target_vocabulary
-from ..timing import DEFAULT_CLOCK, Clock, ForwardTimer, cuda_devices
+from .base import RunnerBase
+from ..timing import DEFAULT_CLOCK, Clock
 from .transfer import upload
 
 # Widths a forward is padded to (tokens per row); a wider one runs as several forwards of the
@@ -265,25 +264,19 @@ def return_cache(model, cache: SlotCache) -> None:
             kept[cache.rows] = cache
 
 
-class StaticRunner:
-    """A causal LM on a `SlotCache`, fed incrementally along the token sequences of ``rows`` rows,
-    with the interface of `hf_polybasic.runners.dynamic.CachedModel` (see the module docstring for the layout).
+class StaticRunner(RunnerBase):
+    """A causal LM on a `SlotCache`, fed incrementally along the token sequences of ``rows`` rows
+    (see the module docstring for the layout). Its model has no recurrent state (such models keep
+    the dynamic runner), so `states` stays None.
 
     ``compiled``: forwards of a bucketed width run through ``torch.compile`` (one graph per bucket and
     batch size, made once per model). ``capacity``: slots per row, at least the longest sequence the
     chain will feed plus the widest bucket (`capacity_for`).
 
-    Attributes:
-        lengths: per row, tokens of its current sequence held in the cache.
-        forward_passes: forward calls made.
-        cost_observer: told ``observe(tokens computed, seconds, rows)`` after forwards, when set; on a
-            GPU the seconds come from CUDA events read once the work has run (no forward waits).
+    Attributes (beside `RunnerBase`'s):
         forward_widths: the padded width of each decoding forward (its shape: one graph each when
             compiled), for the statistics; prefills are not counted.
     """
-
-    states = None  # no recurrent state (such models keep the dynamic runner)
-    compactions = 0
 
     def __init__(
         self,
@@ -296,25 +289,16 @@ class StaticRunner:
         compiled: bool = False,
         widths: tuple[int, ...] = WIDTHS,
     ):
-        self.model, self.role, self.vocab_limit, self.clock, self.rows = model, role, vocab_limit, clock, rows
-        self.device = model.device
+        super().__init__(model, role, vocab_limit, clock, rows)
         self.capacity = capacity
         self.widths = widths
         self.cache: SlotCache | None = None  # taken at the first forward (`take_cache`), given back by `close`
-        self.lengths = [0] * rows
         self._live = [True] * rows
-        self.forward_passes = 0
         self.forward_widths: list[int] = []
-        self.cost_observer = None
-        self.input_vocabulary = input_vocabulary_size(model)
-        self._ids_need_check = vocab_limit is not None and self.input_vocabulary < vocab_limit
         float_mask = compat.attention_implementation(model) != "sdpa"
         self._plain = forward_for(model, False, float_mask)
         self.compiled = compiled
         self._compiled = forward_for(model, True, float_mask) if compiled else None
-        self._timer = ForwardTimer(self.device, clock, cuda_devices(model))
-        # uncompiled forwards (prefills) meet new shapes: kept away from kernels that re-plan per shape
-        self._attention = attention_for(self.device, fixed_shapes=False)
 
     def close(self) -> None:
         """Give the cache back for later calls (the runner is not used afterwards)."""
@@ -323,20 +307,12 @@ class StaticRunner:
             self.cache = None
 
     @property
-    def length(self) -> int:
-        return self.lengths[0]
-
-    @property
-    def live_rows(self) -> int:
-        return sum(self._live)
-
-    @property
     def slots(self) -> int:
+        """Slots a forward attends before its own (each row's tokens sit at their positions)."""
         return max(self.lengths)
 
-    def logits(self, sequence: torch.LongTensor, num_positions: int) -> torch.Tensor:
-        """Float32 logits ``[num_positions, V]`` for the last positions of ``sequence`` (row 0)."""
-        return self.logits_rows({0: (sequence, num_positions)})[0]
+    def _live_rows(self) -> list[int]:
+        return [row for row in range(self.rows) if self._live[row]]
 
     def logits_rows(self, requests: dict[int, tuple[torch.LongTensor, int]]) -> dict[int, torch.Tensor]:
         """``{row: (sequence [L], num_positions)}`` -> ``{row: [num_positions, V]}``, one forward for
@@ -349,8 +325,7 @@ class StaticRunner:
             self.lengths[row] = min(self.lengths[row], sequence.shape[0] - num_positions)
             fed[row] = sequence[self.lengths[row] :]
         prefill = any(self.lengths[row] == 0 for row in requests)
-        if self._ids_need_check:
-            check_ids(torch.cat(list(fed.values())), self.input_vocabulary, self.role)
+        self._check_ids(list(fed.values()))
         needed, widest = max(int(tokens.shape[0]) for tokens in fed.values()), max(self.widths)
         parts = {row: [] for row in requests}  # each row's wanted logits, forward by forward
         for start in [0] if prefill else range(0, needed, widest):
@@ -364,7 +339,7 @@ class StaticRunner:
                     # a copy, always: a CUDA graph's output is overwritten by its next replay
                     parts[row].append(logits[row, first:count, : self.vocab_limit].to(torch.float32, copy=True))
                 self.lengths[row] += count
-        return {row: to_target_vocabulary(torch.cat(parts[row]), self.vocab_limit) for row in requests}
+        return {row: self._to_target_vocabulary(torch.cat(parts[row])) for row in requests}
 
     def _forward(self, fed: dict[int, torch.LongTensor], prefill: bool) -> torch.Tensor:
         """Logits ``[rows, width, V]`` of one forward of each row's ``fed`` tokens from its length on,
@@ -381,14 +356,12 @@ class StaticRunner:
             compiled = making_graph = False
         if making_graph:
             self.cache.compiled_widths.add(width)
-        self._timer.start()
-        if compiled:
-            logits = self._compiled(self.model, input_ids, position_ids, slots, self.cache)
-        else:
-            with self._attention():
-                logits = self._plain(self.model, input_ids, position_ids, slots, self.cache)
-        self._timer.stop(self.rows * width, self.rows, None if making_graph else self.cost_observer)
-        self.forward_passes += 1
+        with self._timed_forward(self.rows * width, self.rows, observed=not making_graph):
+            if compiled:
+                logits = self._compiled(self.model, input_ids, position_ids, slots, self.cache)
+            else:
+                with self._attention():
+                    logits = self._plain(self.model, input_ids, position_ids, slots, self.cache)
         if not prefill:
             self.forward_widths.append(width)
         return logits
@@ -424,9 +397,6 @@ class StaticRunner:
         requests = {row: (prompts[row][:-1], 1) for row in rows if prompts[row].shape[0] > 1}
         if requests:
             self.logits_rows(requests)
-
-    def rollback_to(self, length: int) -> None:
-        self.rollback_rows({0: length})
 
     def rollback_rows(self, lengths: dict[int, int]) -> None:
         """Forget each row's tokens past its ``length``: only the length moves (see the module docstring)."""
