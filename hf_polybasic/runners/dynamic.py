@@ -18,11 +18,9 @@ import torch
 
 from .. import compat
 from . import recurrent
-from .attention import attention_for
+from .base import RunnerBase
 from .transfer import upload
-from ..labels import model_label
-from ..vocabulary import input_vocabulary_size
-from ..timing import DEFAULT_CLOCK, Clock, ForwardTimer, cuda_devices
+from ..timing import DEFAULT_CLOCK, Clock
 
 
 def check_rollback_support(model: torch.nn.Module, cache, role: str) -> None:
@@ -54,32 +52,12 @@ def check_rollback_support(model: torch.nn.Module, cache, role: str) -> None:
         )
 
 
-def to_target_vocabulary(logits: torch.Tensor, vocab_limit: int | None) -> torch.Tensor:
-    """An assistant's logits at the target's output width: ids it lacks (padding rows of the
-    target's output layer) get -inf, so they are never proposed."""
-    if vocab_limit is not None and logits.shape[-1] < vocab_limit:
-        logits = torch.nn.functional.pad(logits, (0, vocab_limit - logits.shape[-1]), value=-float("inf"))
-    return logits
-
-
-def check_ids(new_ids: torch.LongTensor, input_vocabulary: int, role: str) -> None:
-    """A clear error, not an IndexError in the embedding, for an id a model cannot embed (an
-    assistant whose vocabulary lacks a few of the target's padding rows, see `hf_polybasic.vocabulary`)."""
-    largest = int(new_ids.max()) if new_ids.numel() else -1
-    if largest >= input_vocabulary:
-        raise ValueError(
-            f"token id {largest} was generated but {role} has only {input_vocabulary} token "
-            "ids; every model of a chain must use the target's tokenizer (its vocabulary must cover every id "
-            "the target emits)"
-        )
-
-
 # A batch's cache is compacted (every row's tokens moved next to each other, holes dropped) once it
 # holds more than this many slots per token of its longest row
 COMPACT_RATIO = 1.25
 
 
-class CachedModel:
+class CachedModel(RunnerBase):
     """A causal LM plus its own cache, fed incrementally along the token sequences of ``rows`` rows.
 
     One row: the cache holds exactly the row's cached tokens, and a rollback cuts its tail.
@@ -94,42 +72,20 @@ class CachedModel:
     cannot skip holes (their window counts slots), so a batch of such a model is decoded row by row
     (`hf_polybasic.runners.probe.rows_problem`).
 
-    ``vocab_limit`` is the target's output width: an assistant's logits are cut to it (an assistant
-    whose output layer is padded beyond the target's must never propose an id the target does not
-    have) or padded to it with -inf, so every level's processors see the target's vocabulary.
+    The one-row path is kept apart from the batch path (``_forward_one_row``, ``_rollback_one_row``):
+    no mask, no padding, no uploads per forward. ``cache=None`` (one row) feeds the whole sequence
+    every time. ``vocab_limit``: the target's output width (`RunnerBase`).
 
-    Attributes:
-        lengths: per row, tokens of its current sequence whose keys/values are cached.
-        forward_passes: forward calls made (F_i in the paper; one per batched forward).
-        cost_observer: told ``observe(tokens computed, seconds, rows)`` after every forward, when set
-            (a `hf_polybasic.costs.CostEstimate` following what forwards cost on this machine now).
+    Attributes (beside `RunnerBase`'s):
         compactions: times a batch's cache was compacted.
         states: for a model with recurrent layers (one row), the copies of their state that a
-            rollback restores (`hf_polybasic.runners.recurrent.StateHistory`: its length may then drop below
-            the one asked, and the next forward re-feeds the difference); else None.
+            rollback restores: its length may then drop below the one asked, and the next forward
+            re-feeds the difference; else None.
     """
 
-    def __init__(
-        self,
-        model: torch.nn.Module,
-        cache,
-        role: str,
-        vocab_limit: int | None = None,
-        clock: Clock = DEFAULT_CLOCK,
-        rows: int = 1,
-    ):
-        self.model = model
-        self.vocab_limit = vocab_limit
+    def __init__(self, model: torch.nn.Module, cache, role: str, vocab_limit: int | None = None,
+                 clock: Clock = DEFAULT_CLOCK, rows: int = 1):
         self.cache = cache
-        self.role = role
-        self.clock = clock
-        self.rows = rows
-        self.device = model.device
-        self.cuda_devices = cuda_devices(model)
-        # forwards are timed for the cost observer without waiting for the GPU (CUDA events, read later)
-        self._timer = ForwardTimer(self.device, clock, self.cuda_devices)
-        # shapes change every forward: attention kernels that plan per shape (cuDNN) are left out on a GPU
-        self._attention = attention_for(self.device, fixed_shapes=False)
         if cache is not None:
             check_rollback_support(model, cache, role)
             compat.record_past_states(cache)
@@ -137,50 +93,28 @@ class CachedModel:
         if rows > 1 and (cache is None or compat.cached_tokens(cache) > 0):
             raise ValueError(f"{role}: a batch of rows needs an empty cache of its own")
         first = compat.cached_tokens(cache) if cache is not None else 0
-        self.lengths = [first] * rows
+        super().__init__(model, role, vocab_limit, clock, rows, first)
         self._slots = [list(range(first)) for _ in range(rows)]  # physical slot of each cached token
         # a batch: each live row's index in the cache's batch (None once released), and which slots hold a
         # token of that row ([live rows, slots], the attention mask)
         self._batch_index: list[int | None] = list(range(rows))
         self._valid = torch.zeros(rows, 0, dtype=torch.bool, device=self.device)
-        self.forward_passes = 0
         self.compactions = 0
-        self.cost_observer = None
-        self.input_vocabulary = input_vocabulary_size(model)
-        # ids reaching a model come from the prompt and the target's output: only an assistant that
-        # embeds fewer ids than the target emits can meet one it lacks (the target itself fails on
-        # an id beyond its embedding exactly as plain generate does)
-        self._ids_need_check = vocab_limit is not None and self.input_vocabulary < vocab_limit
         self._accepts_logits_to_keep = compat.accepts_logits_to_keep(model)
-
-    @property
-    def length(self) -> int:
-        """Cached tokens of the only row (a one-row runner)."""
-        return self.lengths[0]
-
-    @property
-    def live_rows(self) -> int:
-        """Rows not released yet (the width of a batched forward)."""
-        return sum(index is not None for index in self._batch_index)
 
     @property
     def slots(self) -> int:
         """Physical slots of the cache (a batch: holes included)."""
         return self._valid.shape[1] if self.rows > 1 else self.lengths[0]
 
-    def logits(self, sequence: torch.LongTensor, num_positions: int) -> torch.Tensor:
-        """Float32 logits ``[num_positions, V]`` for the last positions of ``sequence`` ``[L]`` (row 0).
-
-        Row j predicts the token after ``sequence[:L - num_positions + 1 + j]``. Only tokens not
-        yet cached are fed; afterwards all L tokens are cached.
-        """
-        return self.logits_rows({0: (sequence, num_positions)})[0]
+    def _live_rows(self) -> list[int]:
+        return [row for row in range(self.rows) if self._batch_index[row] is not None]
 
     def logits_rows(self, requests: dict[int, tuple[torch.LongTensor, int]]) -> dict[int, torch.Tensor]:
         """`logits` for several rows in one forward: ``{row: (sequence [L], num_positions)}`` ->
         ``{row: [num_positions, V]}``; live rows not asked feed nothing (their slots of this forward
         are holes)."""
-        fed = {}
+        fed = {}  # row -> [new tokens]
         for row, (sequence, num_positions) in requests.items():
             first_needed = sequence.shape[0] - num_positions
             if self.lengths[row] > first_needed:
@@ -188,25 +122,24 @@ class CachedModel:
             if self.states is not None:  # hybrid model: copy its recurrent state first
                 self.states.before_forward(self, sequence[:first_needed])
             fed[row] = sequence[0 if self.cache is None else self.lengths[row] :]
-        if self._ids_need_check:
-            self._check_ids(torch.cat(list(fed.values())))
+        self._check_ids(list(fed.values()))
         keep = max(n for _, n in requests.values())
         kwargs = {"logits_to_keep": keep} if self._accepts_logits_to_keep else {}
-        self._timer.start()
-        with self._attention():
-            if self.rows == 1:
-                (row,) = requests
-                logits = {row: self._forward_one(fed[row], requests[row][1], kwargs)}
-                computed, batch = int(fed[row].shape[0]), 1
-            else:
-                logits, computed, batch = self._forward_rows(fed, {r: n for r, (_, n) in requests.items()}, kwargs)
-        self._timer.stop(computed, batch, self.cost_observer)
-        self.forward_passes += 1
+        if self.rows == 1:
+            ((row, tokens),) = fed.items()
+            with self._timed_forward(int(tokens.shape[0]), 1), self._attention():
+                logits = {row: self._forward_one_row(tokens, requests[row][1], kwargs)}
+        else:
+            width, batch = max(int(tokens.shape[0]) for tokens in fed.values()), self._valid.shape[0]
+            with self._timed_forward(batch * width, batch), self._attention():
+                logits = self._forward_batch(fed, width, {row: n for row, (_, n) in requests.items()}, kwargs)
         for row, (sequence, _) in requests.items():
             self.lengths[row] = sequence.shape[0]
         return {row: self._to_target_vocabulary(value) for row, value in logits.items()}
 
-    def _forward_one(self, fed: torch.LongTensor, num_positions: int, kwargs: dict) -> torch.Tensor:
+    def _forward_one_row(self, fed: torch.LongTensor, num_positions: int, kwargs: dict) -> torch.Tensor:
+        """Logits ``[num_positions, V]`` of one forward of the only row's new tokens ``fed`` ``[n]``
+        (without a cache: of the whole sequence)."""
         inputs = fed.unsqueeze(0).to(self.device)
         if self.cache is None:
             outputs = self.model(input_ids=inputs, use_cache=False, **kwargs)
@@ -221,11 +154,10 @@ class CachedModel:
             self._slots[0].extend(range(start, start + fed.shape[0]))
         return outputs.logits[0, -num_positions:, : self.vocab_limit].float()
 
-    def _forward_rows(self, fed: dict, num_positions: dict, kwargs: dict) -> tuple[dict, int, int]:
-        """One forward of every live row's new tokens, left-padded to the widest (pads are holes);
-        (logits per row asked, tokens computed, rows of the forward)."""
+    def _forward_batch(self, fed: dict, width: int, num_positions: dict, kwargs: dict) -> dict:
+        """Logits ``{row: [num_positions[row], V]}`` of one forward of every live row's new tokens
+        ``fed[row]`` ``[n_row]``, left-padded to ``width`` (the widest; pads are holes)."""
         self._compact_if_sparse()
-        width = max(int(tokens.shape[0]) for tokens in fed.values())
         batch, slots = self._valid.shape
         # token ids stay where they are (no read back to the host); positions and the mask are host
         # bookkeeping, sent in one copy each that the host does not wait for
@@ -245,15 +177,13 @@ class CachedModel:
             input_ids=inputs, position_ids=upload(positions, self.device),
             attention_mask=self._valid.long(), use_cache=True, **{compat.cache_argument(self.model): self.cache}, **kwargs,
         )
-        logits = {
-            row: outputs.logits[self._batch_index[row], -n:, : self.vocab_limit].float() for row, n in num_positions.items()
-        }
-        return logits, batch * width, batch
+        return {row: outputs.logits[self._batch_index[row], -n:, : self.vocab_limit].float()
+                for row, n in num_positions.items()}
 
     def prefill_repeated(self, prompts: dict[int, torch.LongTensor], repeats: int) -> None:
-        """Cache every row's prompt but its last token, computing each distinct prompt once: rows come
-        in groups of ``repeats`` identical prompts (``num_return_sequences``); the groups' caches are
-        then repeated (``batch_repeat_interleave``)."""
+        """Cache every row's prompt ``[L_row]`` but its last token, computing each distinct prompt once:
+        rows come in groups of ``repeats`` identical prompts (``num_return_sequences``); the groups'
+        caches are then repeated (``batch_repeat_interleave``)."""
         rows = sorted(prompts)
         if self.rows == 1 or self.cache is None or any(self.lengths) or len(rows) != self.rows or self.rows % repeats:
             raise ValueError(f"{self.role}: prefill_repeated needs an empty runner of {len(rows)} rows")
@@ -261,8 +191,7 @@ class CachedModel:
         width = max(int(tokens.shape[0]) for tokens in firsts)
         if width == 0:
             return
-        if self._ids_need_check:
-            self._check_ids(torch.cat(firsts))
+        self._check_ids(firsts)
         inputs = torch.zeros(len(firsts), width, dtype=torch.long, device=self.device)
         positions = torch.zeros(len(firsts), width, dtype=torch.long)
         valid = torch.zeros(len(firsts), width, dtype=torch.bool)
@@ -284,48 +213,46 @@ class CachedModel:
             self._slots[row] = list(range(width - count, width))
             self.lengths[row] = count
 
-    def _to_target_vocabulary(self, logits: torch.Tensor) -> torch.Tensor:
-        return to_target_vocabulary(logits, self.vocab_limit)
-
-    def _check_ids(self, new_ids: torch.LongTensor) -> None:
-        check_ids(new_ids, self.input_vocabulary, self.role)
-
-    def rollback_to(self, length: int) -> None:
-        """Forget the only row's cached tokens past ``length`` (no-op if fewer are cached)."""
-        self.rollback_rows({0: length})
-
     def rollback_rows(self, lengths: dict[int, int]) -> None:
         """Forget each row's cached tokens past its ``length`` (no-op where fewer are cached, and for
         rows already released)."""
         if self.rows == 1:
-            length = lengths.get(0, self.lengths[0])
-            if length < self.lengths[0]:
-                if self.cache is not None:
-                    if self.states is not None:  # hybrid model: back to a copy of its recurrent state
-                        length = self.states.restore(length)  # (at most `length` tokens: the next forward re-feeds)
-                    compat.remove_last_tokens(self.cache, self.lengths[0] - length)
-                    del self._slots[0][length:]
-                self.lengths[0] = length
+            self._rollback_one_row(lengths.get(0, self.lengths[0]))
+        else:
+            self._rollback_batch(lengths)
+
+    def _rollback_one_row(self, length: int) -> None:
+        """Cut the cache's tail (a hybrid model: back to a copy of its recurrent state, which may hold
+        fewer than ``length`` tokens; the next forward re-feeds them)."""
+        if length >= self.lengths[0]:
             return
+        if self.cache is not None:
+            if self.states is not None:
+                length = self.states.restore(length)
+            compat.remove_last_tokens(self.cache, self.lengths[0] - length)
+            del self._slots[0][length:]
+        self.lengths[0] = length
+
+    def _rollback_batch(self, lengths: dict[int, int]) -> None:
+        """Turn each row's dropped slots into holes, then cut the trailing slots no row uses."""
         for row, length in lengths.items():
             index = self._batch_index[row]
             if index is None or length >= self.lengths[row]:
                 continue
-            dropped = self._slots[row][length:]
-            self._valid[index, dropped] = False
+            self._valid[index, self._slots[row][length:]] = False
             del self._slots[row][length:]
             self.lengths[row] = length
         self._cut_unused_tail()
 
     def release_rows(self, rows) -> None:
         """Rows that are done leave the cache's batch: every later forward is as wide as the rows
-        still live (one ``batch_select_indices``)."""
+        still live (one ``batch_select_indices``). A one-row runner keeps its row."""
         if self.rows == 1 or self.cache is None:
             return
         gone = {row for row in rows if self._batch_index[row] is not None}
         if not gone:
             return
-        live = [row for row in range(self.rows) if self._batch_index[row] is not None and row not in gone]
+        live = [row for row in self._live_rows() if row not in gone]
         keep = [self._batch_index[row] for row in live]
         if live:
             keep = upload(torch.tensor(keep), self.device)
@@ -338,9 +265,6 @@ class CachedModel:
             self._batch_index[row] = index
         if live:
             self._cut_unused_tail()
-
-    def _live_rows(self) -> list[int]:
-        return [row for row in range(self.rows) if self._batch_index[row] is not None]
 
     def _cut_unused_tail(self) -> None:
         """Cut the trailing slots no row uses any more (the common case: every row rejected its tail)."""
