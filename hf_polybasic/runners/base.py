@@ -110,10 +110,10 @@ class RunnerBase:
     def rollback_rows(self, lengths: dict[int, int]) -> None:
         raise NotImplementedError
 
-    def _check_ids(self, pieces: list[torch.LongTensor]) -> None:
-        """Refuse ids the model cannot embed among ``pieces`` (each ``[n_i]``), where it can meet any."""
+    def _check_ids(self, pieces) -> None:
+        """Refuse ids the model cannot embed among ``pieces`` (tensors ``[n_i]``), where it can meet any."""
         if self._ids_need_check:
-            check_ids(torch.cat(pieces), self.input_vocabulary, self.role)
+            check_ids(torch.cat(list(pieces)), self.input_vocabulary, self.role)
 
     def _to_target_vocabulary(self, logits: torch.Tensor) -> torch.Tensor:  # [positions, V'] -> [positions, V]
         return to_target_vocabulary(logits, self.vocab_limit)

@@ -122,7 +122,7 @@ class CachedModel(RunnerBase):
             if self.states is not None:  # hybrid model: copy its recurrent state first
                 self.states.before_forward(self, sequence[:first_needed])
             fed[row] = sequence[0 if self.cache is None else self.lengths[row] :]
-        self._check_ids(list(fed.values()))
+        self._check_ids(fed.values())
         keep = max(n for _, n in requests.values())
         kwargs = {"logits_to_keep": keep} if self._accepts_logits_to_keep else {}
         if self.rows == 1:

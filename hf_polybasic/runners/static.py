@@ -325,7 +325,7 @@ class StaticRunner(RunnerBase):
             self.lengths[row] = min(self.lengths[row], sequence.shape[0] - num_positions)
             fed[row] = sequence[self.lengths[row] :]
         prefill = any(self.lengths[row] == 0 for row in requests)
-        self._check_ids(list(fed.values()))
+        self._check_ids(fed.values())
         needed, widest = max(int(tokens.shape[0]) for tokens in fed.values()), max(self.widths)
         parts = {row: [] for row in requests}  # each row's wanted logits, forward by forward
         for start in [0] if prefill else range(0, needed, widest):
