@@ -207,7 +207,7 @@ def _rollbacks(model, sequence: torch.LongTensor, stale: bool = False) -> None:
     runner.logits(sequence[:8], 1)
     _assert_state_is_of(runner, model, sequence[: runner.length])
     runner.logits(sequence[:15], 7)  # 6 drafts
-    runner.rollback_to(10)  # 2 kept: back to a copy holding at most 10 tokens
+    runner.rollback_rows({0: 10})  # 2 kept: back to a copy holding at most 10 tokens
     assert runner.length <= 10
     _assert_state_is_of(runner, model, sequence[: runner.length])
     logits = runner.logits(sequence[:14], 4)  # re-feeds what the copy lacks
@@ -215,14 +215,14 @@ def _rollbacks(model, sequence: torch.LongTensor, stale: bool = False) -> None:
     _assert_state_is_of(runner, model, sequence[:14])
     for end in (17, 20, 23):
         runner.logits(sequence[:end], 3)
-    runner.rollback_to(16)  # across two rounds
+    runner.rollback_rows({0: 16})  # across two rounds
     assert runner.length <= 16
     _assert_state_is_of(runner, model, sequence[: runner.length])
     runner.logits(sequence[:18], 2)
     runner.commit()
     _assert_state_is_of(runner, model, sequence[:18])
     runner.logits(sequence[:60], 5)  # 37 new tokens of context: fed in a forward of their own first
-    runner.rollback_to(57)
+    runner.rollback_rows({0: 57})
     assert runner.length == 55  # the copy taken after the context, not the one before it
     _assert_state_is_of(runner, model, sequence[:55])
 

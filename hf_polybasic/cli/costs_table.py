@@ -148,7 +148,7 @@ def _measure_interleaved(variants, tokens, repeats: int, progress: bool) -> dict
         for k in tokens:
             for label, runner in runners.items():
                 prefix = prefixes[label]
-                runner.rollback_to(prefix.shape[0])
+                runner.rollback_rows({0: prefix.shape[0]})
                 with timed() as span:
                     runner.logits(torch.cat([prefix, prefix[-1:].repeat(k)]), k)
                 if index >= 2:

@@ -40,7 +40,7 @@ def _forward_times(
     devices = cuda_devices(model)
     times = []
     for _ in range(repeats + 1 if warm else 1):  # the first run warms up and is dropped
-        runner.rollback_to(prefix.shape[0])
+        runner.rollback_rows({0: prefix.shape[0]})
         synchronize(devices)
         with timed(clock) as span:
             runner.logits(sequence, num_tokens)

@@ -103,10 +103,6 @@ class RunnerBase:
     def logits_rows(self, requests: dict[int, tuple[torch.LongTensor, int]]) -> dict[int, torch.Tensor]:
         raise NotImplementedError
 
-    def rollback_to(self, length: int) -> None:
-        """Forget the only row's cached tokens past ``length`` (no-op if fewer are cached)."""
-        self.rollback_rows({0: length})
-
     def rollback_rows(self, lengths: dict[int, int]) -> None:
         raise NotImplementedError
 

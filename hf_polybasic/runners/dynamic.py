@@ -1,7 +1,7 @@
 """One model with its own `DynamicCache`: feed tokens, read logits, roll back, commit.
 
 Invariant of `CachedModel`: its cache holds the keys/values of ``sequence[:length]`` for whatever
-sequence the chain passes next; callers keep it true by calling `rollback_to` whenever they discard
+sequence the chain passes next; callers keep it true by calling `rollback_rows` whenever they discard
 tokens. Rollbacks only go down the chain (a verifier rolls back the level below it) and never
 re-prefill from scratch: they cut the tail of the cache.
 

@@ -156,7 +156,7 @@ def _check_cache(model: torch.nn.Module) -> str | None:
                     "input at every step, or mishandles a cut cache)"
                 )
             if number == 1:
-                runner.rollback_to(5)
+                runner.rollback_rows({0: 5})
     except Exception as error:  # noqa: BLE001 - any failure to decode on a cache is the answer
         return f"a forward on its own filled cache fails ({type(error).__name__}: {error})"
     return None
@@ -213,7 +213,7 @@ def _check_rows(model: torch.nn.Module) -> tuple[str | None, str | None]:
                     )
             if number == 1:
                 together.rollback_rows(rolled_back)
-                alone[0].rollback_to(rolled_back[0])
+                alone[0].rollback_rows({0: rolled_back[0]})
     except Exception as error:  # noqa: BLE001 - a model that cannot run a batch with holes is answered the same way
         return f"{model_label(model)} cannot run a batch whose rows have holes ({type(error).__name__}: {error})", None
     return None, None
