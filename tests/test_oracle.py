@@ -42,7 +42,7 @@ from helpers import left_padded
 from transformers import StoppingCriteriaList, StopStringCriteria
 
 import hf_polybasic as hp
-from hf_polybasic.decoding.round import next_width
+from hf_polybasic.decoding import round as levels_round
 from hf_polybasic.drafters import PromptLookup
 from hf_polybasic.testing import (
     EOS,
@@ -447,7 +447,7 @@ def polybasic_generate(target, case: Case, resolved: Resolved):
         call["cache_implementation"] = "static"
     if case.do_sample:
         torch.manual_seed(case.seed)
-    with warnings.catch_warnings(), mock.patch.object(drafting, "reads_wait", lambda device: case.reads == "gpu"):
+    with warnings.catch_warnings(), mock.patch.object(levels_round, "reads_wait", lambda device: case.reads == "gpu"):
         warnings.filterwarnings("ignore", message="hf_polybasic decodes this batch row by row")
         warnings.filterwarnings("ignore", message="hf_polybasic runs .* on a dynamic cache")
         warnings.filterwarnings("ignore", message="hf_polybasic let .* sit out")
