@@ -18,7 +18,6 @@ from distribution import (
     sample_counts,
 )
 
-from hf_polybasic.decoding import build as chain_module
 from hf_polybasic.decoding.build import ChainParts
 from hf_polybasic.config import PolybasicConfig
 from hf_polybasic.costs import CostCurves
@@ -199,7 +198,7 @@ def test_a_chain_keeps_its_levels_calibrations_for_the_next_call(monkeypatch):
     from hf_polybasic.schedule import calibration as calibration_module
 
     memory = calibration_module._Remembered()
-    monkeypatch.setattr(chain_module, "remembered_calibration", memory)
+    monkeypatch.setattr(calibration_module, "remembered", memory)
     target, draft = make_chain("llama", depth=2, seed=4)
     with simulated_machine(cheap_drafting_costs(target, [draft])) as generate:
         target.generate(prompt(6, seed=2), custom_generate=generate, assistant_models=[draft], do_sample=False,

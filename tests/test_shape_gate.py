@@ -38,7 +38,7 @@ def forget_shapes(monkeypatch):
     from hf_polybasic.schedule import calibration
 
     monkeypatch.setattr(shape_gate, "remembered", shape_gate._Memory())
-    monkeypatch.setattr(chain, "remembered_calibration", calibration._Remembered())
+    monkeypatch.setattr(calibration, "remembered", calibration._Remembered())
     monkeypatch.setattr(chain, "_warned_sat_out", set())
 
 
@@ -320,11 +320,10 @@ def _chains(middle, draft):
 
 
 def _fresh_seconds_per_token(target, chain, costs, config=None, seeds=range(3), new_tokens=96):
-    from hf_polybasic.decoding import build as chain_module
     from hf_polybasic.schedule import calibration
 
     shape_gate.remembered = shape_gate._Memory()
-    chain_module.remembered_calibration = calibration._Remembered()
+    calibration.remembered = calibration._Remembered()
     seconds = tokens = 0.0
     for seed in seeds:
         with simulated_machine({m: costs[m] for m in [target, *chain]}) as generate:

@@ -21,8 +21,7 @@ from ..labels import model_label
 from ..runners.dynamic import CachedModel
 from ..runners.probe import compile_problem, static_problem
 from ..runners.static import StaticRunner
-from ..schedule import BatchGate, ShapeGate, make_schedule
-from ..schedule.calibration import remembered as remembered_calibration
+from ..schedule import BatchGate, RowSchedules, ShapeGate
 from ..schedule.shape_gate import BYPASSED, DROPPED
 from ..stats import LevelStats, PolybasicStats
 from ..timing import DEFAULT_CLOCK, Clock
@@ -101,7 +100,7 @@ class Chain:
     estimates: list
     gate: BatchGate | None = None  # a batch's: whether the level under the target proposes at all
     shape_gates: dict = field(default_factory=dict)  # level index -> its ShapeGate (whether it takes part)
-    learned: list = field(default_factory=list)  # (proposer, verifier, within, schedules): calibrations to keep
+    row_schedules: RowSchedules | None = None  # what made the schedules: keeps what their calibrations learned
 
     def finish(self, costs: CostCurves | None = None) -> PolybasicStats:
         """Fill in what the levels counted (forward passes, rounds sat out, forward costs) and let
@@ -121,9 +120,8 @@ class Chain:
                 runner.close()
             elif runner is not None:
                 level.runner = "dynamic"
-        for proposer, verifier, within, schedules in self.learned:  # the row that learned most, for the next call
-            taught = max(schedules.values(), key=lambda schedule: schedule.calibration.observations)
-            remembered_calibration.keep(proposer, verifier, taught.calibration, within)
+        if self.row_schedules is not None:
+            self.row_schedules.keep_learned()
         for index, shape in self.shape_gates.items():
             level, below = self.stats.levels[index], self.stats.levels[index + 1]
             level.bypassed_rounds, below.dropped_rounds = shape.bypassed_rounds, shape.dropped_rounds
@@ -223,37 +221,21 @@ def build_chain(
     # rows of a batch: whether the level under the target proposes at all is the batch's decision
     gate = BatchGate(count, estimates[0], estimates[1]) if count > 1 and config.schedule == "cost_aware" else None
 
-    def per_row(make):
-        return {row: make() for row in rows}
-
-    learned = []  # (proposing model, verifying model, within, its rows' schedules): calibrations kept for later calls
-
-    def calibrated(proposer: int, verifier: int, make, within: tuple = ()):
-        """Each row's schedule of a model level, its calibration started from what the last call of the
-        same two models learned (cost-aware only); ``within``: the models that key it further."""
-        if config.schedule != "cost_aware":
-            return per_row(lambda: make(None))
-        made = per_row(lambda: make(remembered_calibration.start(models[proposer], models[verifier], within)))
-        learned.append((models[proposer], models[verifier], within, made))
-        return made
-
+    made = RowSchedules(config.schedule, rows, gate)
     schedules = [None] * len(models)
     bottom = len(models) - 1
     if runners[bottom] is None:
         # a Drafter sets its own length; the cost-aware schedule caps it (and can sit it out) by how
         # often the level above accepts its drafts
         if config.schedule == "cost_aware":
-            schedules[bottom] = per_row(lambda: make_schedule(
-                config.schedule, MAX_DRAFT_TOKENS, MAX_DRAFT_TOKENS, verifier_costs=shared[bottom - 1],
-                gate=gate if bottom == 1 else None))
+            schedules[bottom] = made.for_level(MAX_DRAFT_TOKENS, MAX_DRAFT_TOKENS, shared[bottom - 1], bottom == 1,
+                                               per_token=False)
         level = parts.drafter_level(models[bottom], rules, stats.levels[bottom], clock, schedules[bottom])
     else:
         own = estimates[bottom]
         step = None if own is None else own.seconds(count) / count
-        schedules[bottom] = calibrated(bottom, bottom - 1, lambda calibration: make_schedule(
-            config.schedule, config.num_draft_tokens, MAX_DRAFT_TOKENS, per_token=True,
-            verifier_costs=shared[bottom - 1], step_seconds=step, gate=gate if bottom == 1 else None,
-            calibration=calibration))
+        schedules[bottom] = made.for_level(config.num_draft_tokens, MAX_DRAFT_TOKENS, shared[bottom - 1], bottom == 1,
+                                           step_seconds=step, pair=(models[bottom], models[bottom - 1]))
         # below a greedy intermediate level, sampled drafts would only lower its acceptance
         samples = do_sample and not (greedy_intermediates and bottom > 1)
         level = parts.model_drafter(runners[bottom], rules, stats.levels[bottom], schedules[bottom], samples, clock)
@@ -270,10 +252,8 @@ def build_chain(
         # forward, so it does not rule the level out up front)
         own = estimates[index]
         step = None if own is None else own.seconds(count) / count
-        schedules[index] = calibrated(index, index - 1, lambda calibration: make_schedule(
-            config.schedule, thresholds[index - 1], MAX_BLOCK_THRESHOLD, per_token=True,
-            verifier_costs=shared[index - 1], step_seconds=step, static_check=False,
-            gate=gate if index == 1 else None, calibration=calibration))
+        schedules[index] = made.for_level(thresholds[index - 1], MAX_BLOCK_THRESHOLD, shared[index - 1], index == 1,
+                                          step_seconds=step, static_check=False, pair=(models[index], models[index - 1]))
         shape = {}
         if index == bottom - 1 and runners[bottom] is not None and None not in estimates[index - 1 : bottom + 1]:
             # the level right above a model drafter takes part only while Theorem 3.2 says it pays; when
@@ -284,19 +264,17 @@ def build_chain(
             drafter_step = estimates[bottom].seconds(count) / count
             middle_step = estimates[index].seconds(count) / count
             level_costs = (shared[index - 1].seconds, shared[index].seconds, shared[bottom].seconds)
-            drop_schedules = calibrated(index, index - 1, lambda calibration: make_schedule(
-                config.schedule, config.num_draft_tokens, MAX_DRAFT_TOKENS, per_token=True,
-                verifier_costs=shared[index - 1], step_seconds=middle_step, gate=gate if index == 1 else None,
-                calibration=calibration), within=(models[bottom],))
+            drop_schedules = made.for_level(config.num_draft_tokens, MAX_DRAFT_TOKENS, shared[index - 1], index == 1,
+                                            step_seconds=middle_step, pair=(models[index], models[index - 1]),
+                                            within=(models[bottom],))
             shape = dict(shape_gate=ShapeGate(level_costs, models=(models[index - 1], models[index], models[bottom]),
                                               drops=True),
-                         bypass_schedules=calibrated(bottom, index - 1, lambda calibration: make_schedule(
-                             config.schedule, config.num_draft_tokens, MAX_DRAFT_TOKENS, per_token=True,
-                             verifier_costs=shared[index - 1], step_seconds=drafter_step,
-                             gate=gate if index == 1 else None, calibration=calibration)),
+                         bypass_schedules=made.for_level(config.num_draft_tokens, MAX_DRAFT_TOKENS, shared[index - 1],
+                                                         index == 1, step_seconds=drafter_step,
+                                                         pair=(models[bottom], models[index - 1])),
                          drop_drafter=parts.model_drafter(runners[index], rules, stats.levels[index], drop_schedules,
                                                           samples, clock))
             shape_gates[index] = shape["shape_gate"]
         level = parts.intermediate(verifier, schedules[index], clock, **shape)
     top = parts.verifier(runners[0], level, rules, stats.levels[0], do_sample, clock)
-    return Chain(top, stats, runners, schedules, estimates, gate, shape_gates, learned)
+    return Chain(top, stats, runners, schedules, estimates, gate, shape_gates, made)

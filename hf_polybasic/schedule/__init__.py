@@ -4,7 +4,8 @@ A schedule belongs to a proposing level (the child). The child asks `length` bef
 (0: propose nothing, the parent decodes alone) and, if it drafts token by token
 (`stops_per_token`), `keep_drafting` after each token; it reports what its proposal cost
 (`observe_proposal`) and, through `Level.verified`, what the parent made of it
-(`observe_verification`). One class per policy, built by `make_schedule`:
+(`observe_verification`). One class per policy, built by `make_schedule` (each row's, for a
+whole chain: `RowSchedules`, in `factory`):
 
 * ``"constant"`` (`ConstantSchedule`): always the configured length (the paper's static K and mu);
 * ``"heuristic"`` (`HeuristicSchedule`): transformers' rule, +2 after a proposal accepted whole,
@@ -29,15 +30,15 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from ..config import SCHEDULES
 from .backoff import FIRST_BACKOFF_ROUNDS, MAX_BACKOFF_ROUNDS, PROBE_ROUNDS, BackOff
 from .batch_gate import BatchGate
 from .calibration import ConfidenceCalibration
 from .cost_aware import RESET_MARGIN, SAFETY_MARGIN, SAFETY_ROUNDS, WARMUP_ROUNDS, CostAwareSchedule
+from .factory import RowSchedules, make_schedule
 from .fixed import ConstantSchedule, HeuristicSchedule
 from .rates import DECAY, acceptance_rate_estimate, best_length, expected_tokens, worth_more, worth_one_more
 from .shape_gate import ShapeGate
-from ..config import SCHEDULES
-
 
 
 class Schedule(Protocol):
@@ -56,25 +57,6 @@ class Schedule(Protocol):
     def observe_verification(self, num_drafted: int, num_accepted: int, seconds: float) -> None: ...
 
 
-def make_schedule(
-    kind: str, initial: int, maximum: int, per_token: bool = False, verifier_costs=None,
-    step_seconds: float | None = None, static_check: bool = True, gate: BatchGate | None = None,
-    calibration: ConfidenceCalibration | None = None,
-) -> Schedule:
-    """The schedule of one level: ``kind`` is one of `SCHEDULES`; ``initial`` the configured K or
-    mu, ``maximum`` the longest proposal a varying schedule makes; ``per_token``: the level proposes
-    token by token with confidences (a model level). ``verifier_costs`` / ``step_seconds`` /
-    ``static_check`` / ``gate`` / ``calibration``: see `CostAwareSchedule`."""
-    if kind == "constant":
-        return ConstantSchedule(initial)
-    if kind == "heuristic":
-        return HeuristicSchedule(initial, maximum)
-    if kind == "cost_aware":
-        return CostAwareSchedule(initial, maximum, per_token, verifier_costs, step_seconds, static_check, gate,
-                                 calibration)
-    raise ValueError(f"schedule must be one of {SCHEDULES}, got {kind!r}")
-
-
 __all__ = [
     "DECAY",
     "FIRST_BACKOFF_ROUNDS",
@@ -91,6 +73,7 @@ __all__ = [
     "ConstantSchedule",
     "CostAwareSchedule",
     "HeuristicSchedule",
+    "RowSchedules",
     "Schedule",
     "ShapeGate",
     "acceptance_rate_estimate",
