@@ -42,29 +42,14 @@ import torch
 
 from ..drafters import Drafter
 from ..models.vocab_head import NOTHING_TO_SAMPLE
+from ..processing import DecodingRules, process_positions
 from ..runners.transfer import reads_wait
 from ..schedule import Schedule, ShapeGate
 from ..schedule.shape_gate import BYPASSED, DROPPED
 from ..stats import LevelStats
 from ..timing import DEFAULT_CLOCK, Clock, timed
 from .acceptance import greedy_decision, speculative_decision
-from ..processing import DecodingRules, process_positions
 from .protocol import Block, Level, Proposal, Runner
-
-PROBABILITY_SUM_TOLERANCE = 1e-3
-# Where reads wait for the device, a schedule that stops by confidence drafts this many tokens in
-# its first round before its one read, then `next_width`: as many as it last kept, doubled when it
-# kept them all (up to its length), halved at most per round.
-FIRST_WIDTH = 4
-
-
-def next_width(width: int, cut: int | None) -> int:
-    """How far to draft next round after drafting ``width`` tokens and cutting after ``cut`` of them
-    (None: the schedule kept all ``width``): twice as far when nothing was cut, else the power of two
-    above the cut, never below half of ``width``."""
-    if cut is None:
-        return 2 * width
-    return max(1 << cut.bit_length(), width // 2, 1)
 
 
 @dataclass
@@ -169,8 +154,10 @@ class Verifier:
         """``{row: (sequence, budget)}``: ask the child for each row's proposal, score them all in one
         forward pass, keep what is accepted. Emits between 1 and ``budget`` tokens per row (the child
         proposes at most one fewer)."""
+        # 1. propose: the level below, for every row at once (recursively, down to the drafter)
         proposals = self.child.propose({row: (sequence, budget - 1) for row, (sequence, budget) in requests.items()})
         with self.stats.timed(self.clock) as span:
+            # 2. score: one forward over every row's proposal and one position more
             candidates = {row: torch.cat([requests[row][0], proposals[row].tokens]) for row in requests}
             logits = self.runner.logits_rows({row: (candidates[row], len(proposals[row]) + 1) for row in requests})
             scores = {
@@ -178,24 +165,27 @@ class Verifier:
                                        logits[row].to(sequence.device))  # [k + 1, V]
                 for row, (sequence, _) in requests.items()
             }
+            # 3. decide, on the device: [accepted, next token] per row
             try:
                 decided = {row: self._decide(proposals[row], scores[row]) for row in requests}  # [2] each
             except RuntimeError as error:  # vocab_head: a restricted level may be left nothing to sample from
                 if self.samples and not all(bool(torch.isfinite(s).any(-1).all()) for s in scores.values()):
                     raise ValueError(NOTHING_TO_SAMPLE.format(level=self.runner.role)) from error
                 raise
-            values = self._read(proposals, decided, scores)  # the round's one read, every row at once
+            # 4. read: the round's one read from the device, every row at once
+            values = self._read(proposals, decided, scores)
             rounds, kept = {}, {}
             for row in requests:
                 accepted, next_token, confidences = values[row]
                 rounds[row] = self._round(proposals[row], accepted, next_token, decided[row][1:], scores[row],
                                           logits[row], confidences)
                 kept[row] = accepted
+            # 5. roll back: this level forgets the rejected drafts, then the level below does (`verified`)
             self.runner.rollback_rows({row: requests[row][0].shape[0] + count for row, count in kept.items()})
         # each row's share of the forward the rows shared, split evenly as `BatchShare` prices it (the
         # whole forward's seconds would make every row's overhead look like the other rows' work)
         self.child.verified(kept, span.seconds / len(kept))
-        return rounds
+        return rounds  # 6. hand up: each row's accepted drafts, then this level's own token
 
     def _decide(self, proposal: Proposal, scores: torch.Tensor) -> torch.Tensor:
         """The one place a row's drafts are accepted (`hf_polybasic.decoding.acceptance`): ``[accepted, next token]``
@@ -403,6 +393,21 @@ class Draw:
     valid: torch.Tensor
 
 
+# Where reads wait for the device, a schedule that stops by confidence drafts this many tokens in
+# its first round before its one read, then `next_width`: as many as it last kept, doubled when it
+# kept them all (up to its length), halved at most per round.
+FIRST_WIDTH = 4
+
+
+def next_width(width: int, cut: int | None) -> int:
+    """How far to draft next round after drafting ``width`` tokens and cutting after ``cut`` of them
+    (None: the schedule kept all ``width``): twice as far when nothing was cut, else the power of two
+    above the cut, never below half of ``width``."""
+    if cut is None:
+        return 2 * width
+    return max(1 << cut.bit_length(), width // 2, 1)
+
+
 class ModelDrafter(Proposer):
     """Drafts up to K tokens with a model, sampling from (or taking the argmax of) its processed
     distribution; each row's schedule sets its K and may stop its draft early, by its confidence in
@@ -603,6 +608,10 @@ class DrafterLevel(Proposer):
 
     def release_rows(self, rows) -> None:
         """A `Drafter` serving several rows keeps no state: nothing to release."""
+
+
+# how far from 1 a Drafter's reported probabilities may sum (float rounding)
+PROBABILITY_SUM_TOLERANCE = 1e-3
 
 
 def check_drafter_output(name: str, tokens, log_probs, limit: int) -> None:
