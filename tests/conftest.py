@@ -17,7 +17,7 @@ torch.set_num_threads(1)
 # run (several of them are statistical tests at a fixed significance level).
 from hypothesis import settings  # noqa: E402
 
-import distribution  # noqa: E402
+import helpers  # noqa: E402
 from hf_polybasic.runners import static  # noqa: E402
 from hf_polybasic.testing import make_chain, make_target  # noqa: E402
 
@@ -88,7 +88,7 @@ def shared_models():
 @pytest.fixture(scope="session")
 def distribution_models(shared_models) -> tuple:
     """The 8-token target and three assistants of growing noise for the distribution tests."""
-    return shared_models.register(("distribution",), distribution.build_models())
+    return shared_models.register(("distribution",), helpers.build_models())
 
 
 @pytest.fixture(scope="session")
@@ -98,7 +98,7 @@ def exact_distribution(distribution_models):
 
     def exact(setting: str) -> np.ndarray:
         if setting not in cache:
-            cache[setting] = distribution.exact_joint(distribution_models[0], setting)
+            cache[setting] = helpers.exact_joint(distribution_models[0], setting)
         return cache[setting]
 
     return exact

@@ -5,7 +5,7 @@ the row decoded alone; sampled rows follow the target's distribution, independen
 import numpy as np
 import pytest
 import torch
-from distribution import ALPHA, SETTINGS, STEPS, VOCAB, assert_every_level_took_part, chi_square_p_value, exact_joint
+from helpers import ALPHA, SETTINGS, STEPS, VOCAB, assert_every_level_took_part, chi_square_p_value, exact_joint
 from helpers import left_padded
 from scipy.stats import chi2_contingency
 from transformers import StoppingCriteria, StoppingCriteriaList

@@ -5,7 +5,7 @@ import types
 import pytest
 import torch
 
-from distribution import assert_every_level_took_part, assert_target_could_sample
+from helpers import assert_every_level_took_part, assert_target_could_sample
 
 import hf_polybasic as hp
 from hf_polybasic.testing import prompt

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 import torch
-from distribution import assert_every_level_took_part
+from helpers import assert_every_level_took_part
 from helpers import assert_independent_of_its_source
 
 import hf_polybasic as hp
@@ -54,7 +54,7 @@ def test_an_nf4_copy_agrees_with_its_target_most_of_the_time():
 def test_chains_through_an_nf4_middle_level_are_exact(do_sample):
     """The paper's shape: target <- nf4 copy <- small drafter; greedy output equals plain
     generate, sampled tokens are ones the target can sample (top_k=3)."""
-    from distribution import assert_target_could_sample
+    from helpers import assert_target_could_sample
 
     target = _target(seed=63)
     middle, draft = quantized_copy(target, "nf4"), noisy_copy(target, 0.05, seed=4)

@@ -19,7 +19,7 @@ from transformers import (
 )
 
 import hf_polybasic as hp
-from distribution import assert_every_level_took_part
+from helpers import assert_every_level_took_part
 
 # a constant schedule: on these equal-cost tiny models the cost-aware default would rightly back off,
 # and the features would only meet plain decoding

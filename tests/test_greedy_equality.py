@@ -4,7 +4,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from distribution import assert_every_level_took_part
+from helpers import assert_every_level_took_part
 
 from hf_polybasic.schedule import SCHEDULES
 from hf_polybasic.testing import EOS, cheap_drafting_costs, prompt, simulated_machine

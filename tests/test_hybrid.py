@@ -13,7 +13,7 @@ import re
 
 import pytest
 import torch
-from distribution import ALPHA, assert_every_level_took_part, build_models, chi_square_p_value, exact_joint, sample_counts
+from helpers import ALPHA, assert_every_level_took_part, build_models, chi_square_p_value, exact_joint, sample_counts
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import hf_polybasic as hp

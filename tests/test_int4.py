@@ -9,7 +9,7 @@ import warnings
 
 import pytest
 import torch
-from distribution import assert_every_level_took_part
+from helpers import assert_every_level_took_part
 from helpers import assert_independent_of_its_source
 
 import hf_polybasic as hp
@@ -291,7 +291,7 @@ def test_a_chain_through_the_int4_copy_is_greedy_exact_and_the_copy_agrees_with_
 def test_a_sampled_chain_through_the_int4_copy_samples_what_the_target_can():
     """target <- int4 copy <- small drafter, sampling (top_k=3): every level took part and every
     token is one the target itself could sample."""
-    from distribution import assert_target_could_sample
+    from helpers import assert_target_could_sample
 
     target = _target(seed=78)
     middle, draft = _int4_copy(target), noisy_copy(target, 0.05, seed=4)

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from distribution import ALPHA, assert_every_level_took_part, chi_square_p_value, sample_counts
+from helpers import ALPHA, assert_every_level_took_part, chi_square_p_value, sample_counts
 
 import hf_polybasic as hp
 from hf_polybasic.drafters import Drafter, PromptLookup

@@ -19,7 +19,7 @@ from hf_polybasic.testing import (
 from transformers import DynamicCache, GenerationConfig, StoppingCriteria, StoppingCriteriaList
 
 import hf_polybasic as hp
-from distribution import assert_every_level_took_part
+from helpers import assert_every_level_took_part
 from hf_polybasic.drafters import Drafter
 from hf_polybasic.outputs import pad_token_id
 from hf_polybasic.decoding.acceptance import speculative_decision

@@ -11,7 +11,7 @@ sampling.
 
 import pytest
 import torch
-from distribution import (
+from helpers import (
     ALPHA,
     SAMPLES,
     SETTINGS,

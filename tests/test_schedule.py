@@ -10,7 +10,7 @@ draft (it drops a trailing low-probability token) is lossy, and the test catches
 
 import pytest
 import torch
-from distribution import (
+from helpers import (
     ALPHA,
     assert_every_level_took_part,
     assert_target_could_sample,

@@ -17,7 +17,7 @@ import warnings
 
 import pytest
 import torch
-from distribution import ALPHA, chi_square_p_value, sample_counts
+from helpers import ALPHA, chi_square_p_value, sample_counts
 
 import hf_polybasic as hp
 from hf_polybasic.decoding.round import IntermediateLevel

@@ -12,7 +12,7 @@ from hf_polybasic.testing import make_chain, make_tokenizer, prompt
 from transformers.cache_utils import DynamicSlidingWindowLayer
 
 import hf_polybasic as hp
-from distribution import assert_target_could_sample
+from helpers import assert_target_could_sample
 from hf_polybasic.drafters import PromptLookup
 
 CONFIG = hp.PolybasicConfig(num_draft_tokens=3, block_threshold=4, schedule="constant")  # drafts every round

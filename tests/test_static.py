@@ -15,7 +15,7 @@ import warnings
 import conftest
 import pytest
 import torch
-from distribution import ALPHA, SAMPLES, SETTINGS, STEPS, VOCAB, assert_every_level_took_part, chi_square_p_value, outcome_counts
+from helpers import ALPHA, SAMPLES, SETTINGS, STEPS, VOCAB, assert_every_level_took_part, chi_square_p_value, outcome_counts
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch._dynamo.utils import counters

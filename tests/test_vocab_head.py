@@ -9,7 +9,7 @@ where the processors leave no id of S finite are left to the level above.
 
 import pytest
 import torch
-from distribution import (
+from helpers import (
     ALPHA,
     SAMPLES,
     SETTINGS,
@@ -296,7 +296,7 @@ def test_sampled_tokens_of_a_restricted_chain_are_ones_the_target_can_sample(dis
     out = target.generate(ids, custom_generate=hp.generate, assistant_models=[_restricted_of(m2)],
                           polybasic_config=hp.PolybasicConfig(**CONSTANT), do_sample=True, max_new_tokens=STEPS,
                           num_return_sequences=SAMPLES // 10, **SETTINGS["temperature+top_k+top_p"])
-    from distribution import assert_target_could_sample
+    from helpers import assert_target_could_sample
 
     assert_target_could_sample(target, out, ids.shape[1], top_k=5)
 
