@@ -31,6 +31,17 @@ settings.register_profile("deterministic", derandomize=True, deadline=None)
 settings.load_profile("deterministic")
 
 
+@pytest.fixture(autouse=True)
+def forget_what_earlier_calls_taught(monkeypatch):
+    """Every test starts as a fresh process would: without the confidence calibrations and chain
+    shapes that earlier tests' calls of the same shared models taught (`calibration.remembered`,
+    `shape_gate.remembered`), which made a test's path depend on which tests ran before it."""
+    from hf_polybasic.schedule import calibration, shape_gate
+
+    monkeypatch.setattr(calibration, "remembered", calibration._Remembered())
+    monkeypatch.setattr(shape_gate, "remembered", shape_gate._Memory())
+
+
 def _fingerprint(model) -> tuple:
     """What a test could change: weights, configs, and attributes such as an `enable` patch."""
     weights = float(sum(p.detach().double().sum() for p in model.parameters()))
