@@ -54,6 +54,35 @@ def synchronize(devices: Iterable[torch.device]) -> None:
         torch.cuda.synchronize(device)
 
 
+class DeviceSpan:
+    """The device's time for the work queued between `start` and `stop`, known once that work has
+    run, without waiting for it: a pair of CUDA events on a GPU (under the default clock); elsewhere
+    the work ran while the host waited, and the host's own span is it."""
+
+    def __init__(self, device: torch.device | str, clock: Clock = DEFAULT_CLOCK):
+        self.events = torch.device(device).type == "cuda" and clock is DEFAULT_CLOCK
+        self._marks: list = []
+
+    def start(self) -> None:
+        self._record()
+
+    def stop(self) -> None:
+        self._record()
+
+    def _record(self) -> None:
+        if self.events:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self._marks.append(event)
+
+    def seconds(self, host_seconds: float) -> float:
+        """The span's seconds on the device (call once its work has run), at least ``host_seconds``
+        (the host's own span of launching it)."""
+        if not self.events or len(self._marks) < 2:
+            return host_seconds
+        return max(host_seconds, self._marks[0].elapsed_time(self._marks[-1]) / 1000.0)
+
+
 class ForwardTimer:
     """Times forwards for a cost observer (``observe(tokens, seconds, rows)``) without making them wait.
 

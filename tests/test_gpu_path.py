@@ -85,9 +85,10 @@ def test_a_batch_under_cuda_graphs_equals_plain_batched_generate(cuda_graphs):
 
 @pytest.mark.parametrize("config", [hp.PolybasicConfig(), hp.PolybasicConfig(schedule="constant", num_draft_tokens=6)],
                          ids=["default", "constant-k6"])
-def test_a_round_waits_for_the_gpu_at_most_twice(config, cuda_graphs):
+def test_a_round_waits_for_the_gpu_once(config, cuda_graphs):
     """torch's own count of synchronizing calls (``set_sync_debug_mode("warn")``) in a warm call of
-    [drafter]: at most the drafter's read and the target's decision per round, plus the call's own."""
+    [drafter]: at most the target's decision (which reads the drafts with it) per round, plus the
+    call's own."""
     target, draft = _chain(2, seed=43)
     ids = prompt(12, seed=5).cuda()
     _generate(target, [draft], ids, 48, config)  # compiles, measures the cost curves
@@ -101,4 +102,4 @@ def test_a_round_waits_for_the_gpu_at_most_twice(config, cuda_graphs):
     syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message)]
     rounds = out.polybasic_stats.levels[0].forward_passes
     assert out.polybasic_stats.levels[0].runner == "static, compiled"
-    assert len(syncs) <= 2 * rounds + SYNCS_PER_CALL, (len(syncs), rounds, sorted(set(syncs))[:5])
+    assert len(syncs) <= rounds + SYNCS_PER_CALL, (len(syncs), rounds, sorted(set(syncs))[:5])

@@ -23,9 +23,11 @@ from helpers import (
     sample_counts,
 )
 
+from hf_polybasic.decoding import round as levels_round
 from hf_polybasic.decoding.build import ChainParts
+from hf_polybasic.decoding.round import ModelDrafter, Verifier
 from hf_polybasic.schedule import batch_gate
-from hf_polybasic.decoding.round import ModelDrafter
+from hf_polybasic.schedule.cost_aware import CostAwareSchedule
 from hf_polybasic.generation import make_generate
 from hf_polybasic.testing import cheap_drafting_costs, prompt, simulated_machine
 
@@ -65,6 +67,68 @@ def test_cost_aware_chain_samples_the_target_distribution_where_drafting_pays(
         counts, stats = sample_counts(target, setting, assistants, seed=17, generate=generate, block_threshold=2)
     print(setting, depth, "cost_aware", assert_every_level_took_part(stats))
     assert chi_square_p_value(counts, exact_distribution(setting)) > ALPHA
+
+
+@pytest.fixture
+def drafts_read_with_the_decision(monkeypatch):
+    """Decide as where a read waits for the device: a model drafter's drafts are read back with the
+    verifier's decision (`hf_polybasic.decoding.protocol.Deferred`), which verifies every drafted token and keeps
+    ``min(accepted, cut)`` of them. The schedules also stop after any token of probability <= 0.6 (a
+    stopping rule of the drafts alone, like their own), so cuts are frequent; counts the
+    verifications that accepted drafts past the cut (the round then emits the next draft)."""
+    monkeypatch.setattr(levels_round, "reads_wait", lambda device: True)
+    monkeypatch.setattr(batch_gate, "PLAIN_FIRST_ROUNDS", 0)
+    keep = CostAwareSchedule.keep_drafting
+    monkeypatch.setattr(CostAwareSchedule, "keep_drafting", lambda self, confidence: keep(self, confidence)
+                        and confidence > 0.6)
+    counted = {"deferred": 0, "accepted past the cut": 0}
+    read = Verifier._read
+
+    def counting(self, proposals, decided, scores, deferred):
+        settled, reads = read(self, proposals, decided, scores, deferred)
+        if deferred is not None:
+            counted["deferred"] += len(decided)
+            counted["accepted past the cut"] += sum(int(decided[row][0]) > len(settled[row]) for row in decided)
+        return settled, reads
+
+    monkeypatch.setattr(Verifier, "_read", counting)
+    return counted
+
+
+class PastTheCutVerifier(Verifier):
+    """A plausible bug: past the drafter's cut it emits its own token from where its acceptance ended
+    (position ``accepted``) instead of the draft it accepted at the cut."""
+
+    def _read(self, proposals, decided, scores, deferred):
+        settled, reads = super()._read(proposals, decided, scores, deferred)
+        for row, read in reads.items():
+            if read.kept < int(decided[row][0]):
+                read.token, read.on_device = int(decided[row][1]), decided[row][1:]
+        return settled, reads
+
+
+@pytest.mark.parametrize("depth", [2, 3])
+def test_drafts_read_with_the_verifiers_decision_sample_the_target_distribution(
+        depth, drafts_read_with_the_decision, distribution_models, exact_distribution):
+    setting = "temperature+top_k+top_p"
+    target, *assistants = distribution_models[:depth]
+    with simulated_machine(cheap_drafting_costs(target, assistants)) as generate:
+        counts, stats = sample_counts(target, setting, assistants, seed=23, generate=generate, block_threshold=2)
+    print(depth, drafts_read_with_the_decision, assert_every_level_took_part(stats))
+    assert drafts_read_with_the_decision["accepted past the cut"] > 50
+    assert chi_square_p_value(counts, exact_distribution(setting)) > ALPHA
+
+
+def test_negative_control_emitting_the_wrong_token_past_the_cut(drafts_read_with_the_decision, distribution_models,
+                                                                exact_distribution):
+    setting = "temperature+top_k+top_p"
+    target, assistant = distribution_models[:2]
+    with simulated_machine(cheap_drafting_costs(target, [assistant]), parts=ChainParts(verifier=PastTheCutVerifier)
+                           ) as generate:
+        counts, stats = sample_counts(target, setting, [assistant], seed=23, generate=generate)
+    assert_every_level_took_part(stats)
+    assert drafts_read_with_the_decision["accepted past the cut"] > 50
+    assert chi_square_p_value(counts, exact_distribution(setting)) < ALPHA
 
 
 class RawProposalDrafter(ModelDrafter):

@@ -31,6 +31,7 @@ Vocabulary (the same everywhere in the package):
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -52,9 +53,33 @@ class Proposal:
     tokens: torch.LongTensor
     probs: torch.Tensor | None = None
     ids: list[int] | None = None  # the tokens as host ints, when the level read them back
+    deferred: Deferred | None = None  # where the level left its read to the level above
 
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
+
+
+@dataclass(frozen=True)
+class Deferred:
+    """A proposal whose end is still on the device: where a read waits for the device, a model
+    drafter hands up every token it drafted without reading them back, and the level above reads
+    ``values`` (per row ``[n]``, float64) with its own decision, in its one read; ``settle`` then takes
+    those host values (``{row: [n] floats}``) and returns each row's settled proposal, a prefix of
+    the drafted tokens (cut after an invalid draw, an EOS, or where the drafter's schedule stops).
+    Every proposal of one ``propose`` call shares the same `Deferred`; ``late_seconds`` says which
+    part of the level above's read was the drafter's work still running.
+
+    The level above verifies all the drafted tokens and keeps ``min(accepted, settled)`` of them,
+    then its own token at that position: where it accepted more than the settled prefix, that is the
+    next drafted token, which the acceptance test at that position emitted as a sample of the
+    verifier's distribution. Exact because the prefix's length depends only on the tokens inside it
+    (a stopping time of the drafts), never on the verification."""
+
+    values: dict[int, torch.Tensor]
+    settle: Callable[[dict[int, list[float]]], dict[int, Proposal]]
+    # after `settle`: seconds of the drafting that ran on the device past the drafter's own span,
+    # which the level above waited for in its read (they are the drafter's, not the verifier's)
+    late_seconds: Callable[[], float] = lambda: 0.0
 
 
 class Block:

@@ -19,6 +19,13 @@ row at once (``{row: (sequence, budget)}``). A round, as this file runs it:
 3. **Decide**: `hf_polybasic.decoding.acceptance` decides each row's ``[accepted, next token]`` on the
    device (greedy match, or speculative sampling against the reported distributions).
 4. **Read**: one read from the device for all rows (accepted counts, next tokens, confidences).
+   Where a read waits for the device (a GPU) a model drafter reads nothing itself: it hands up
+   every token it drafted with a `Deferred`, the verifier verifies them all and reads them back
+   with its decision, and the drafter then settles where its proposal ends (an invalid draw, an EOS,
+   its schedule's stop). The round keeps min(accepted, settled) drafts and the token emitted at
+   that position: the next draft when the verifier accepted past the cut (the acceptance test there
+   emitted it as a sample of the verifier's distribution). Exact because the cut is a stopping time:
+   where it falls depends only on the drafts before it, never on the verification.
 5. **Roll back**: the verifier's cache forgets the rejected drafts (`Runner.rollback_rows`); the level
    below is told what was kept (``child.verified(kept, seconds)``): it rolls back too and its schedules
    learn. Rollbacks only go down; proposals only go up.
@@ -47,9 +54,9 @@ from ..runners.transfer import reads_wait
 from ..schedule import Schedule, ShapeGate
 from ..schedule.shape_gate import BYPASSED, DROPPED
 from ..stats import LevelStats
-from ..timing import DEFAULT_CLOCK, Clock, timed
+from ..timing import DEFAULT_CLOCK, Clock, DeviceSpan, timed
 from .acceptance import greedy_decision, speculative_decision
-from .protocol import Block, Level, Proposal, Runner
+from .protocol import Block, Deferred, Level, Proposal, Runner
 
 
 @dataclass
@@ -67,6 +74,18 @@ class Round:
     logits: torch.Tensor
     ids: list[int] = field(default_factory=list)
     confidences: list[float] | None = None
+
+
+@dataclass
+class Read:
+    """A verifier's decision for one row, read back: it keeps the first ``kept`` drafts of the
+    row's (settled) proposal and then emits ``token`` (``on_device``: the same, ``[1]``); with
+    confidences, its processed probability of each of those ``kept + 1`` tokens."""
+
+    kept: int
+    token: int
+    on_device: torch.LongTensor
+    confidences: list[float] | None
 
 
 class Proposer:
@@ -172,19 +191,22 @@ class Verifier:
                 if self.samples and not all(bool(torch.isfinite(s).any(-1).all()) for s in scores.values()):
                     raise ValueError(NOTHING_TO_SAMPLE.format(level=self.runner.role)) from error
                 raise
-            # 4. read: the round's one read from the device, every row at once
-            values = self._read(proposals, decided, scores)
+            # 4. read: the round's one read from the device, every row at once (with the drafts the
+            #    level below left there, `Deferred`: it settles where each row's proposal ends)
+            deferred = next((p.deferred for p in proposals.values() if p.deferred is not None), None)
+            settled, values = self._read(proposals, decided, scores, deferred)
             rounds, kept = {}, {}
             for row in requests:
-                accepted, next_token, confidences = values[row]
-                rounds[row] = self._round(proposals[row], accepted, next_token, decided[row][1:], scores[row],
-                                          logits[row], confidences)
-                kept[row] = accepted
+                rounds[row] = self._round(settled[row], values[row], scores[row], logits[row])
+                kept[row] = values[row].kept
             # 5. roll back: this level forgets the rejected drafts, then the level below does (`verified`)
             self.runner.rollback_rows({row: requests[row][0].shape[0] + count for row, count in kept.items()})
+        # the drafting the read waited for was the level below's work, not this level's
+        seconds = span.seconds - (0.0 if deferred is None else deferred.late_seconds())
+        self.stats.seconds -= span.seconds - seconds
         # each row's share of the forward the rows shared, split evenly as `BatchShare` prices it (the
         # whole forward's seconds would make every row's overhead look like the other rows' work)
-        self.child.verified(kept, span.seconds / len(kept))
+        self.child.verified(kept, seconds / len(kept))
         return rounds  # 6. hand up: each row's accepted drafts, then this level's own token
 
     def _decide(self, proposal: Proposal, scores: torch.Tensor) -> torch.Tensor:
@@ -194,42 +216,67 @@ class Verifier:
             return speculative_decision(proposal.tokens, proposal.probs, scores.softmax(-1))
         return greedy_decision(proposal.tokens, scores)
 
-    def _read(self, proposals: dict[int, Proposal], decided: dict[int, torch.Tensor],
-              scores: dict[int, torch.Tensor]) -> dict[int, tuple[int, int, list[float] | None]]:
-        """Every row's (accepted, next token, confidences) in one read from the device. With
-        ``confidences``, the verifier's processed probability of each token the row emits (its first
-        ``accepted`` drafts, then its own token), computed for all k + 1 positions before the read."""
-        packed = []
+    def _read(self, proposals: dict[int, Proposal], decided: dict[int, torch.Tensor], scores: dict[int, torch.Tensor],
+              deferred: Deferred | None) -> tuple[dict[int, Proposal], dict[int, Read]]:
+        """Every row's decision in one read from the device: the settled proposals (``proposals``
+        themselves unless the level below ``deferred`` its read) and each row's `Read`. Where the
+        emitted tokens or their confidences are needed, they are computed for all k + 1 positions
+        before the read: position j emits the j-th draft while j < accepted, then the verifier's own
+        token."""
+        packed, emitted = [], {}
         for row, decision in decided.items():
             packed.append(decision.to(torch.float64))
-            if self.confidences:
+            if deferred is not None or self.confidences:
                 drafts = proposals[row].tokens.to(decision.device)  # [k]
                 positions = torch.arange(drafts.shape[0] + 1, device=decision.device)
-                emitted = torch.where(positions < decision[0], torch.cat([drafts, decision[1:]]), decision[1])  # [k + 1]
-                probs = scores[row].softmax(-1).gather(1, emitted.to(scores[row].device).unsqueeze(1)).squeeze(1)
-                packed.append(probs.to(device=decision.device, dtype=torch.float64))
+                emitted[row] = torch.where(positions < decision[0], torch.cat([drafts, decision[1:]]), decision[1])
+            if deferred is not None:
+                packed.append(emitted[row].to(torch.float64))  # [k + 1]
+            if self.confidences:
+                probs = scores[row].softmax(-1).gather(1, emitted[row].to(scores[row].device).unsqueeze(1)).squeeze(1)
+                packed.append(probs.to(device=decision.device, dtype=torch.float64))  # [k + 1]
+        if deferred is not None:
+            packed += [deferred.values[row].to(device=packed[0].device, dtype=torch.float64) for row in decided]
         values = torch.cat(packed).tolist()
-        read, start = {}, 0
+        host, start = {}, 0
         for row in decided:
+            width = len(proposals[row]) + 1
             accepted, next_token = int(values[start]), int(values[start + 1])
             start += 2
+            ids = None
+            if deferred is not None:
+                ids = [int(token) for token in values[start : start + width]]
+                start += width
             confidences = None
             if self.confidences:
-                width = len(proposals[row]) + 1
-                confidences = values[start : start + accepted + 1]
+                confidences = values[start : start + width]
                 start += width
-            read[row] = (accepted, next_token, confidences)
-        return read
+            host[row] = (accepted, next_token, ids, confidences)
+        settled = proposals
+        if deferred is not None:
+            own = {}
+            for row in decided:
+                own[row] = values[start : start + deferred.values[row].shape[0]]
+                start += deferred.values[row].shape[0]
+            settled = deferred.settle(own)
+        read = {}
+        for row, (accepted, next_token, ids, confidences) in host.items():
+            kept = min(accepted, len(settled[row]))
+            # past the settled proposal the verifier emits the draft it accepted there (`Deferred`)
+            token = next_token if kept == accepted else ids[kept]
+            on_device = emitted[row][kept : kept + 1] if row in emitted else decided[row][1:]
+            read[row] = Read(kept, token, on_device, None if confidences is None else confidences[: kept + 1])
+        return settled, read
 
-    def _round(self, proposal: Proposal, accepted: int, next_token: int, next_on_device: torch.Tensor, scores,
-               logits, confidences: list[float] | None) -> Round:
-        """The row's round: its tokens on the device (the verifier's own token taken from the decision
-        ``[1]``, not uploaded again) and as host ints."""
-        self.stats.record_verification(len(proposal), accepted)
-        tokens = torch.cat([proposal.tokens[:accepted], next_on_device.to(proposal.tokens.device)])
-        ids = (proposal.tokens[:accepted].tolist() if proposal.ids is None else proposal.ids[:accepted]) + [next_token]
-        return Round(tokens=tokens, scores=scores[: accepted + 1], logits=logits[: accepted + 1], ids=ids,
-                     confidences=confidences)
+    def _round(self, proposal: Proposal, read: Read, scores, logits) -> Round:
+        """The row's round: its first ``read.kept`` drafts, then the token emitted after them, on the
+        device (taken from the decision, not uploaded again) and as host ints."""
+        kept = read.kept
+        self.stats.record_verification(len(proposal), kept)
+        tokens = torch.cat([proposal.tokens[:kept], read.on_device.to(proposal.tokens.device)])
+        ids = (proposal.tokens[:kept].tolist() if proposal.ids is None else proposal.ids[:kept]) + [read.token]
+        return Round(tokens=tokens, scores=scores[: kept + 1], logits=logits[: kept + 1], ids=ids,
+                     confidences=read.confidences)
 
     def rollback_rows(self, lengths: dict[int, int]) -> None:
         """Forget everything about each row's tokens past its length, here and in every level below."""
@@ -412,9 +459,10 @@ class ModelDrafter(Proposer):
     """Drafts up to K tokens with a model, sampling from (or taking the argmax of) its processed
     distribution; each row's schedule sets its K and may stop its draft early, by its confidence in
     each token. Rows still drafting share one forward per step. On the CPU the drafts are read back
-    after every step and stop there; where a read waits for the device (a GPU) they are read once per
-    proposal, and a block cut by confidence is cut after that read (the tokens past the cut cost a
-    drafter step each, not a wait for the device's whole queue).
+    after every step and stop there; where a read waits for the device (a GPU) the drafter drafts a
+    width and reads nothing: the level above reads the drafts with its decision (`Deferred`), and
+    the block is cut where the schedule would have stopped after that read (the tokens past the cut
+    cost a drafter step each, not a wait for the device's whole queue).
 
     ``samples=False`` drafts by argmax even when the target samples (below a level that verifies
     greedily); the proposal is then a point mass. ``rules`` and ``schedules`` are per row.
@@ -457,7 +505,9 @@ class ModelDrafter(Proposer):
                 drafting.append(row)
         drawn: dict[int, list[Draw]] = {row: [] for row in drafting}
         catch_up = 0.0  # seconds spent feeding tokens decided while this level sat out or was rolled back
+        device = DeviceSpan(self.runner.device, self.clock)
         with self.stats.timed(self.clock) as span:
+            device.start()
             while drafting:
                 grown = {row: torch.cat([requests[row][0], blocks[row].tokens, *(d.token for d in drawn[row])])
                          for row in drafting}
@@ -472,10 +522,40 @@ class ModelDrafter(Proposer):
                     drafting = self._keep_step(blocks, drawn, drafting)
                 else:
                     drafting = [row for row in drafting if blocks[row].size + len(drawn[row]) < widths[row]]
-            if not stepwise:
-                self._keep_all(blocks, drawn, widths)
-        self._observe(blocks, span.seconds - catch_up)
-        return {row: block.proposal() for row, block in blocks.items()}
+            device.stop()
+        seconds = span.seconds - catch_up
+        if stepwise:
+            self._observe(blocks, seconds)
+            return {row: block.proposal() for row, block in blocks.items()}
+        values = {row: self._pack(drawn.get(row, []), requests[row][0].device) for row in requests}  # [n] each
+        if reads_wait(self.runner.device):  # the level above reads them with its decision
+            return self._deferred(blocks, drawn, widths, values, span.seconds, device, catch_up)
+        return self._settle(blocks, drawn, widths, self._read_back(values), seconds)
+
+    def _deferred(self, blocks: dict[int, Block], drawn: dict[int, list[Draw]], widths: dict[int, int],
+                  values: dict[int, torch.Tensor], host_seconds: float, device: DeviceSpan,
+                  catch_up: float) -> dict[int, Proposal]:
+        """Every row's drafted tokens, unread, for the level above to verify and to read back with its
+        decision (`Deferred`); its read settles the blocks (`_settle`), when the drafting has run on
+        the device: its seconds there (``device``, beyond the host's ``host_seconds`` of launching
+        it) are this level's, though the level above waited for them."""
+        late = []
+
+        def settle(host: dict[int, list[float]]) -> dict[int, Proposal]:
+            late.append(device.seconds(host_seconds) - host_seconds)
+            self.stats.seconds += late[0]
+            return self._settle(blocks, drawn, widths, host, host_seconds + late[0] - catch_up)
+
+        deferred = Deferred(values, settle, lambda: late[0] if late else 0.0)
+        proposals = {}
+        for row in blocks:
+            draws = drawn.get(row, [])
+            if not draws:
+                proposals[row] = Proposal(blocks[row].tokens, None, [], deferred)
+                continue
+            probs = torch.cat([d.probs for d in draws]) if self.samples else None
+            proposals[row] = Proposal(torch.cat([d.token for d in draws]), probs, None, deferred)
+        return proposals
 
     def _draw(self, row: int, grown: torch.LongTensor, logits: torch.Tensor, confidence: bool) -> Draw:
         """The row's next token, drawn on the device: its processed distribution's argmax, or a sample
@@ -509,39 +589,53 @@ class ModelDrafter(Proposer):
                 going.append(row)
         return going
 
-    def _keep_all(self, blocks: dict[int, Block], drawn: dict[int, list[Draw]], widths: dict[int, int]) -> None:
-        """Read every row's draws back at once (token, validity and, where its schedule stops by
-        confidence, the token's probability) and add them to the blocks, each up to its first invalid
-        draw (`Block.extend` cuts after an EOS); a schedule that stops by confidence then cuts the block
-        after the first token it would not have drafted past, as if it had been asked token by token,
-        and the row's next width follows where it cut (`next_width`)."""
-        rows = [row for row in drawn if drawn[row]]
-        if not rows:
-            return
-        packed = []
-        for row in rows:
-            packed += [torch.cat([d.token for d in drawn[row]]).double(), torch.stack([d.valid for d in drawn[row]]).double()]
-            if drawn[row][0].confidence is not None:
-                packed.append(torch.stack([d.confidence.reshape(()) for d in drawn[row]]).double())
-        values = torch.cat(packed).tolist()
-        start = 0
-        for row in rows:
-            count = len(drawn[row])
-            tokens = [int(token) for token in values[start : start + count]]
-            valid = values[start + count : start + 2 * count]
-            start += 2 * count
-            confidences = None
-            if drawn[row][0].confidence is not None:
-                confidences = values[start : start + count]
-                start += count
+    @staticmethod
+    def _pack(draws: list[Draw], device: torch.device) -> torch.Tensor:
+        """``[n]`` float64 on ``device``: a row's drafted tokens, their validity and, where its
+        schedule stops by confidence, their probabilities (what `_settle` reads)."""
+        if not draws:
+            return torch.empty(0, dtype=torch.float64, device=device)
+        packed = [torch.cat([d.token for d in draws]).double(), torch.stack([d.valid for d in draws]).double()]
+        if draws[0].confidence is not None:
+            packed.append(torch.stack([d.confidence.reshape(()) for d in draws]).double())
+        return torch.cat(packed)
+
+    @staticmethod
+    def _read_back(values: dict[int, torch.Tensor]) -> dict[int, list[float]]:
+        """Every row's packed values on the host, in one read."""
+        rows = [row for row in values if values[row].numel()]
+        host = dict.fromkeys(values, [])
+        if rows:
+            flat, start = torch.cat([values[row] for row in rows]).tolist(), 0
+            for row in rows:
+                host[row] = flat[start : start + values[row].numel()]
+                start += values[row].numel()
+        return host
+
+    def _settle(self, blocks: dict[int, Block], drawn: dict[int, list[Draw]], widths: dict[int, int],
+                host: dict[int, list[float]], seconds: float) -> dict[int, Proposal]:
+        """Add every row's draws to its block from their values read back (`_pack`), each up to its
+        first invalid draw (`Block.extend` cuts after an EOS); a schedule that stops by confidence then
+        cuts the block after the first token it would not have drafted past, as if it had been asked
+        token by token, and the row's next width follows where it cut (`next_width`). The proposal
+        and what it cost are recorded; returns the proposals."""
+        for row, values in host.items():
+            draws = drawn.get(row, [])
+            count = len(draws)
+            if not count:
+                continue
+            tokens = [int(token) for token in values[:count]]
+            valid = values[count : 2 * count]
             usable = valid.index(0) if 0 in valid else count
             if not usable:
                 continue
             block = blocks[row]
-            block.extend(torch.cat([d.token for d in drawn[row][:usable]]),
-                         torch.cat([d.probs for d in drawn[row][:usable]]) if self.samples else None, ids=tokens[:usable])
-            if confidences is not None:
-                self._cut_by_confidence(row, block, confidences, widths[row])
+            block.extend(torch.cat([d.token for d in draws[:usable]]),
+                         torch.cat([d.probs for d in draws[:usable]]) if self.samples else None, ids=tokens[:usable])
+            if draws[0].confidence is not None:
+                self._cut_by_confidence(row, block, values[2 * count : 3 * count], widths[row])
+        self._observe(blocks, seconds)
+        return {row: block.proposal() for row, block in blocks.items()}
 
     def _cut_by_confidence(self, row: int, block: Block, confidences: list[float], width: int) -> None:
         """Ask the row's schedule about each kept token in turn, as `_keep_step` would have after

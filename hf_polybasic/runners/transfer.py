@@ -4,8 +4,9 @@ On a GPU the host queues work and runs ahead; it waits for the queue when it rea
 (``.tolist()``, ``.item()``, ``bool(t)``) and when it copies host data into a device tensor from
 pageable memory (the copy ends in a stream synchronization). A decoding round on a GPU therefore
 reads back once per verification and uploads nothing blocking: forward inputs go up from pinned
-memory without waiting (`upload`), and a drafter decides where to cut its block after one read
-(`reads_wait`), not after every token. On the CPU neither costs anything: the work has already run.
+memory without waiting (`upload`), and a model drafter reads nothing itself (`reads_wait`): the
+level above reads its drafts with its own decision and the drafter's block is cut after that read,
+not after every token. On the CPU neither costs anything: the work has already run.
 
 ``tests/test_host_reads.py`` counts both kinds of wait, on the CPU, under a GPU's rules.
 """
