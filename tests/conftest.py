@@ -18,7 +18,11 @@ torch.set_num_threads(1)
 from hypothesis import settings  # noqa: E402
 
 import helpers  # noqa: E402
+from hf_polybasic.decoding import round as levels_round  # noqa: E402
+from hf_polybasic.decoding.round import Verifier  # noqa: E402
 from hf_polybasic.runners import static  # noqa: E402
+from hf_polybasic.schedule import batch_gate  # noqa: E402
+from hf_polybasic.schedule.cost_aware import CostAwareSchedule  # noqa: E402
 from hf_polybasic.testing import make_chain, make_target  # noqa: E402
 
 # Compiled static runners trace with dynamo (the graphs, their count and their guards are what tests
@@ -113,3 +117,32 @@ def exact_distribution(distribution_models):
         return cache[setting]
 
     return exact
+
+
+@pytest.fixture
+def drafts_read_with_the_decision(monkeypatch):
+    """Decide as where a read waits for the device: a model drafter's drafts are read back with the
+    verifier's decision (`hf_polybasic.decoding.protocol.Deferred`), which verifies every drafted token and keeps
+    ``min(accepted, cut)`` of them. The schedules also stop after any token of probability <= 0.6 (a
+    stopping rule of the drafts alone, like their own), so cuts are frequent; counts the
+    verifications that accepted drafts past the cut (the round then emits the next draft), and
+    checks that every token a verifier emits is the same on the host as on the device."""
+    monkeypatch.setattr(levels_round, "reads_wait", lambda device: True)
+    monkeypatch.setattr(batch_gate, "PLAIN_FIRST_ROUNDS", 0)
+    keep = CostAwareSchedule.keep_drafting
+    monkeypatch.setattr(CostAwareSchedule, "keep_drafting", lambda self, confidence: keep(self, confidence)
+                        and confidence > 0.6)
+    counted = {"deferred": 0, "accepted past the cut": 0}
+    original = Verifier._read
+
+    def counting(self, proposals, decided, scores, deferred):
+        settled, reads = original(self, proposals, decided, scores, deferred)
+        if deferred is not None:
+            counted["deferred"] += len(decided)
+            counted["accepted past the cut"] += sum(int(decided[row][0]) > len(settled[row]) for row in decided)
+        for row, read in reads.items():  # the host's ids (for stops and EOS) are the device's tokens
+            assert read.on_device.tolist() == [read.token], (row, read)
+        return settled, reads
+
+    monkeypatch.setattr(Verifier, "_read", counting)
+    return counted

@@ -16,7 +16,7 @@ from hf_polybasic.decoding.round import Verifier
 from hf_polybasic.drafters import PromptLookup
 from hf_polybasic.decoding.round import ModelDrafter
 from hf_polybasic.generation import make_generate
-from hf_polybasic.testing import EOS, PAD, prompt
+from hf_polybasic.testing import EOS, PAD, cheap_drafting_costs, prompt, simulated_machine
 
 CONFIG = hp.PolybasicConfig(num_draft_tokens=3, block_threshold=4, schedule="constant")
 
@@ -61,6 +61,30 @@ class StopAfterForPrompt(StoppingCriteria):
         row = input_ids[0]
         mine = row.shape[0] >= self.prefix.shape[0] and torch.equal(row[: self.prefix.shape[0]], self.prefix)
         return torch.tensor([bool(mine and row.shape[0] >= self.length)])
+
+
+@pytest.mark.parametrize("static", [True, False])
+@pytest.mark.parametrize("arch, depth", [("llama", 2), ("llama", 3), ("qwen2", 3), ("gemma3", 2)])
+def test_drafts_read_with_the_verifiers_decision_keep_a_batch_equal_to_plain_generate(
+        arch, depth, static, drafts_read_with_the_decision, shared_models):
+    """Greedy, on a GPU's rules (`Deferred`): each verifier verifies every drafted token, the blocks
+    are cut after its read, often (the schedules stop after any token of probability <= 0.6), and a
+    left-padded batch of ragged rows still equals plain batched `generate`, through static and
+    dynamic caches (gemma3's sliding window keeps the dynamic one)."""
+    target, *assistants = shared_models.chain(arch, depth, seed=31)
+    prompts = [prompt(3 + 4 * row, seed=310 + row)[0] for row in range(3)]
+    ids, mask = left_padded(prompts)
+    options = dict(do_sample=False, max_new_tokens=40, eos_token_id=EOS, pad_token_id=PAD)
+    if static:
+        options["cache_implementation"] = "static"
+    plain = target.generate(ids, attention_mask=mask, **{k: v for k, v in options.items()
+                                                          if k != "cache_implementation"})
+    with simulated_machine(cheap_drafting_costs(target, assistants)) as generate:
+        out = target.generate(ids, attention_mask=mask, custom_generate=generate, assistant_models=assistants,
+                              return_dict_in_generate=True, **options)
+    assert torch.equal(out.sequences, plain)
+    assert_every_level_took_part(out.polybasic_stats, rejections=False)
+    assert drafts_read_with_the_decision["accepted past the cut"] > 0, drafts_read_with_the_decision
 
 
 def test_a_row_that_stops_leaves_the_batchs_work(shared_models):

@@ -23,11 +23,9 @@ from helpers import (
     sample_counts,
 )
 
-from hf_polybasic.decoding import round as levels_round
 from hf_polybasic.decoding.build import ChainParts
 from hf_polybasic.decoding.round import ModelDrafter, Verifier
 from hf_polybasic.schedule import batch_gate
-from hf_polybasic.schedule.cost_aware import CostAwareSchedule
 from hf_polybasic.generation import make_generate
 from hf_polybasic.testing import cheap_drafting_costs, prompt, simulated_machine
 
@@ -67,32 +65,6 @@ def test_cost_aware_chain_samples_the_target_distribution_where_drafting_pays(
         counts, stats = sample_counts(target, setting, assistants, seed=17, generate=generate, block_threshold=2)
     print(setting, depth, "cost_aware", assert_every_level_took_part(stats))
     assert chi_square_p_value(counts, exact_distribution(setting)) > ALPHA
-
-
-@pytest.fixture
-def drafts_read_with_the_decision(monkeypatch):
-    """Decide as where a read waits for the device: a model drafter's drafts are read back with the
-    verifier's decision (`hf_polybasic.decoding.protocol.Deferred`), which verifies every drafted token and keeps
-    ``min(accepted, cut)`` of them. The schedules also stop after any token of probability <= 0.6 (a
-    stopping rule of the drafts alone, like their own), so cuts are frequent; counts the
-    verifications that accepted drafts past the cut (the round then emits the next draft)."""
-    monkeypatch.setattr(levels_round, "reads_wait", lambda device: True)
-    monkeypatch.setattr(batch_gate, "PLAIN_FIRST_ROUNDS", 0)
-    keep = CostAwareSchedule.keep_drafting
-    monkeypatch.setattr(CostAwareSchedule, "keep_drafting", lambda self, confidence: keep(self, confidence)
-                        and confidence > 0.6)
-    counted = {"deferred": 0, "accepted past the cut": 0}
-    read = Verifier._read
-
-    def counting(self, proposals, decided, scores, deferred):
-        settled, reads = read(self, proposals, decided, scores, deferred)
-        if deferred is not None:
-            counted["deferred"] += len(decided)
-            counted["accepted past the cut"] += sum(int(decided[row][0]) > len(settled[row]) for row in decided)
-        return settled, reads
-
-    monkeypatch.setattr(Verifier, "_read", counting)
-    return counted
 
 
 class PastTheCutVerifier(Verifier):
