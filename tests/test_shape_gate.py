@@ -271,6 +271,27 @@ def test_the_drafter_stays_where_the_middle_level_alone_is_not_clearly_faster_th
     assert gate.shape == BYPASSED and gate.dropped_rounds == OUT_ROUNDS
 
 
+def test_a_bypass_that_cannot_pay_even_at_its_best_is_never_probed():
+    # a middle level at 0.12 whose 4-token blocks the target accepts whole, over a drafter whose 12 drafts per
+    # block it rejects all of: the target accepts the drafter's drafts at most as often as the middle level does
+    # (never) plus the rate at which it rejects the middle level's (never), so the drafter alone is plain decoding
+    # at best (1.0 s per token), against 0.2 + (0.12 + 3 * 0.02) / 1.25 = 0.344 with the middle level in
+    costs = (lambda k: 1.0, lambda k: 0.12, lambda k: 0.02)
+    gate = ShapeGate(costs, drops=True)
+    shapes = _feed3(gate, IN_ROUNDS + OUT_ROUNDS + FIRST_STRETCH + PROBE_ROUNDS, inside=(5, 4, 12, (4, 4, 12)),
+                    direct=(5, 4, 4))
+    assert gate.bypassed_at_best() == pytest.approx(1.0) and gate.ruled_out(BYPASSED)
+    # in, then the dropped shape measured, picked (0.296 s per token) and, after its stretch, in probed again
+    assert shapes == [IN] * IN_ROUNDS + [DROPPED] * (OUT_ROUNDS + FIRST_STRETCH) + [IN] * PROBE_ROUNDS
+    assert gate.bypassed_rounds == 0 and gate.verdict is None and gate.decisions == 2
+    # a drafter the middle level accepts 2 tokens of 3 from (a = 0.8): it could pay straight to the target
+    # (the bound reads the acceptance back from the mean length, 1 + a + a^2 + a^3)
+    gate = ShapeGate(costs, drops=True)
+    shapes = _feed3(gate, IN_ROUNDS + OUT_ROUNDS, inside=(5, 4, 12, (4, 4 * (1 + 0.8 + 0.8**2 + 0.8**3), 12)))
+    assert shapes == [IN] * IN_ROUNDS + [BYPASSED] * OUT_ROUNDS and not gate.ruled_out(BYPASSED)
+    assert shape_gate._acceptance(1 + 0.8 + 0.8**2 + 0.8**3, 3) == pytest.approx(0.8, abs=1e-6)
+
+
 def test_rounds_cut_by_an_uncalibrated_stop_give_no_verdict():
     gate = ShapeGate(FLAT, drops=True)
     # every in round's blocks were cut by a schedule still on its prior: none is counted, and the phase runs
@@ -351,9 +372,9 @@ MACHINES = {  # middle: cost, noise; drafter: cost, noise; the cost curve
     "cheap close middle": (0.12, 0.01, 0.02, 0.3, _cpu_like),
     "gpu-like": (0.45, 0.01, 0.1, 0.3, _gpu_like),
 }
-# the default's seconds per token against the best chain the levels allow (see the report in issue 35:
-# the first call's measuring rounds are what the default pays over the best)
-BOUND = {"costly middle": 1.05, "cheap close middle": 1.12, "gpu-like": 1.05}
+# the default's seconds per token against the best chain the levels allow (issue 35's target: the first
+# call's measuring rounds are what the default pays over the best)
+BOUND = 1.05
 
 
 @pytest.mark.parametrize("machine", list(MACHINES))
@@ -370,7 +391,7 @@ def test_the_default_given_middle_and_drafter_is_about_as_fast_as_the_best_chain
     best = min(seconds.values())
     print(machine, f"default {default:.3f}", {name: round(value, 3) for name, value in seconds.items()},
           f"ratio {default / best:.3f}")
-    assert default <= BOUND[machine] * best and default < 1.0  # plain decoding: 1.0 s per token
+    assert default <= BOUND * best and default < 1.0  # plain decoding: 1.0 s per token
     if machine != "costly middle":  # the middle level alone is the best there: the drafter sat out, and said so
         assert stats.levels[2].dropped_rounds > stats.levels[0].verifications / 2
         assert "Lemma 3.1" in stats.levels[2].sat_out

@@ -23,6 +23,11 @@ machine (each model's T(k)) and on the text (acceptance), so it is measured duri
   stretch the shape measured longest ago is probed for `PROBE_ROUNDS` and the verdict taken again;
   a stretch doubles (up to `MAX_STRETCH`) while the verdict holds.
 
+The bypassed shape is neither measured nor probed while the in rounds rule it out (`ruled_out`): the
+level above accepts the drafter's drafts at most as often as the middle level does plus the rate at
+which it rejects the middle level's own (the triangle inequality), and at that acceptance, with the
+drafter's best length and no catch-up, it would still be `FAR_BEHIND` the fastest measured shape.
+
 A round in which a proposal was ended (or drafted on) by a schedule whose confidence calibration had
 too little evidence (`calibration.ConfidenceCalibration.calibrated`: the prior's stop, not the
 pair's) is left out of the sums, and a measuring phase runs up to `EXTRA_ROUNDS` rounds longer to
@@ -44,9 +49,10 @@ import copy
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from ..config import MAX_DRAFT_TOKENS
 from ..theory import insertion_test_with_curves, polybasic_time_per_token_with_curves
 from .memory import ModelMemory
-from .rates import decayed
+from .rates import decayed, expected_tokens
 
 # verifications of the level above with the middle level in before the first probe without it, the
 # rounds of the first measurement of each other shape, of later probes, and the stretches a verdict holds
@@ -57,7 +63,8 @@ FIRST_STRETCH = 12
 MAX_STRETCH = 96
 # rounds a measuring phase may add for rounds left out (a proposal cut by an uncalibrated stop),
 # unless even those rounds put its shape this many times behind the best measured one (calibrated
-# rounds would not make it win: measuring it longer only costs)
+# rounds would not make it win: measuring it longer only costs); and the bypassed shape is not
+# measured at all where even its best is this far behind (`ShapeGate.ruled_out`)
 EXTRA_ROUNDS = 6
 FAR_BEHIND = 1.5
 # where Theorem 3.2 picks the drafter proposing straight to the level above, the drafter is dropped
@@ -68,6 +75,9 @@ FAR_BEHIND = 1.5
 # the middle level in, whose blocks the level above judges as it would the middle level's drafts, the
 # fewer seconds per token decide
 DROP_MARGIN = 0.25
+
+# bisection steps of `_acceptance` (its error: 2^-steps)
+ACCEPTANCE_STEPS = 30
 
 # the shapes: the middle level in; bypassed (the drafter proposes to the level above); the drafter
 # dropped (the middle level drafts on its own to the level above)
@@ -96,6 +106,21 @@ class ShapeSums:
         self.middle_verifications = decayed(self.middle_verifications, verifications)
         self.middle_emitted = decayed(self.middle_emitted, middle_emitted)
         self.middle_drafted = decayed(self.middle_drafted, middle_drafted)
+
+
+def _acceptance(length: float, block: float) -> float:
+    """The per-token acceptance a at which a verification of ``block`` > 0 drafts emits ``length``
+    tokens on average, 1 + a + ... + a^block (a truncated geometric variable, read at a real block)."""
+    if length >= block + 1:
+        return 1.0
+    low, high = 0.0, 1.0
+    for _ in range(ACCEPTANCE_STEPS):
+        rate = (low + high) / 2
+        if (1 - rate ** (block + 1)) / (1 - rate) < length:
+            low = rate
+        else:
+            high = rate
+    return high
 
 
 class _Memory:
@@ -224,12 +249,15 @@ class ShapeGate:
             return
         self._extended = 0
         if not self._probing:  # a stretch is over: probe the shape measured longest ago
-            self._enter(self._stalest(), PROBE_ROUNDS, probing=True)
-            return
-        unmeasured = [shape for shape in self.shapes if shape not in self._visited]
-        if unmeasured:  # the first measurements: each shape once
-            self._enter(unmeasured[0], OUT_ROUNDS, probing=True)
-            return
+            stalest = self._stalest()
+            if stalest is not None:
+                self._enter(stalest, PROBE_ROUNDS, probing=True)
+                return
+        else:
+            unmeasured = [shape for shape in self.shapes if shape not in self._visited and not self.ruled_out(shape)]
+            if unmeasured:  # the first measurements: each shape once
+                self._enter(unmeasured[0], OUT_ROUNDS, probing=True)
+                return
         shape = self.decide()
         self._stretch = min(2 * self._stretch, MAX_STRETCH) if shape == self._previous else FIRST_STRETCH
         self._previous = shape
@@ -255,10 +283,41 @@ class ShapeGate:
                   if shape != self.shape and (t := self.seconds_per_token(shape)) is not None]
         return mine is not None and bool(others) and mine > FAR_BEHIND * min(others)
 
-    def _stalest(self) -> str:
-        """The shape other than this one that ran longest ago (never measured first)."""
-        others = [shape for shape in self.shapes if shape != self.shape]
-        return min(others, key=lambda shape: (self.sums[shape].rounds > 0, self._last[shape]))
+    def _stalest(self) -> str | None:
+        """The shape other than this one that ran longest ago (never measured first), of those not
+        `ruled_out`; None when every other is."""
+        others = [shape for shape in self.shapes if shape != self.shape and not self.ruled_out(shape)]
+        return min(others, key=lambda shape: (self.sums[shape].rounds > 0, self._last[shape]), default=None)
+
+    def ruled_out(self, shape: str) -> bool:
+        """Whether a probe of ``shape`` cannot pay: it is the bypassed shape, and even at its best
+        (`bypassed_at_best`) it is `FAR_BEHIND` the fastest measured shape."""
+        if shape != BYPASSED:
+            return False
+        best = self.bypassed_at_best()
+        others = [t for other in self.shapes
+                  if other != BYPASSED and (t := self.seconds_per_token(other)) is not None]
+        return best is not None and bool(others) and best > FAR_BEHIND * min(others)
+
+    def bypassed_at_best(self) -> float | None:
+        """The bypassed shape's seconds per token at its best, from the in shape's rounds (None before
+        any drafts of both): at the most acceptance of the drafter's drafts by the level above they
+        allow, at the drafter's best length (0: the level above decoding alone), each draft one
+        forward T(1), no catch-up. Per position that acceptance is at most the middle level's of them
+        plus the rate at which the level above rejects the middle level's own (acceptance is 1 - TV,
+        and TV obeys the triangle inequality; greedy: a draft the level above takes and the middle
+        level does not marks a token of the middle level the level above rejects); each rate is read
+        from mean lengths and blocks as a truncated geometric variable's (`_acceptance`)."""
+        inside = self.evidence(IN)
+        if inside.drafted == 0 or inside.middle_drafted == 0:
+            return None
+        drafter_rate = _acceptance(inside.middle_emitted / inside.middle_verifications,
+                                   inside.middle_drafted / inside.middle_verifications)
+        middle_rate = _acceptance(inside.emitted / inside.rounds, inside.drafted / inside.rounds)
+        rate = min(1.0, drafter_rate + 1 - middle_rate)
+        above, _, drafter = self.costs
+        return min((length * drafter(1) + above(length + 1)) / expected_tokens(rate, length)
+                   for length in range(MAX_DRAFT_TOKENS + 1))
 
     def decide(self) -> str:
         """The shape of the next stretch: in or bypassed by Theorem 3.2 (`middle_pays`), then the
