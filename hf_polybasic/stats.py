@@ -44,6 +44,9 @@ class LevelStats:
         dropped_rounds: rounds of the level two above in which this drafter sat out and the
             intermediate level above it drafted on its own, straight to that level
             (`hf_polybasic.schedule.ShapeGate`).
+        device_rounds: of its verifications, those decided on the device, many per read (an
+            intermediate level over a model drafter where reads wait for the device:
+            `hf_polybasic.decoding.device_blocks`).
         sat_out: why it sat out (bypassed or dropped) beyond measuring the chain without it (Theorem
             3.2's or Lemma 3.1's numbers), or "".
         insertion_saving: Theorem 3.2's latest verdict on this intermediate level, from the call's
@@ -66,6 +69,7 @@ class LevelStats:
     forward_widths: dict[int, int] = field(default_factory=dict)
     bypassed_rounds: int = 0
     dropped_rounds: int = 0
+    device_rounds: int = 0
     sat_out: str = ""
     insertion_saving: float | None = None
 

@@ -19,6 +19,7 @@ from hypothesis import settings  # noqa: E402
 
 import helpers  # noqa: E402
 from hf_polybasic.decoding import round as levels_round  # noqa: E402
+from hf_polybasic.decoding.device_blocks import DeviceBlocks  # noqa: E402
 from hf_polybasic.decoding.round import Verifier  # noqa: E402
 from hf_polybasic.runners import static  # noqa: E402
 from hf_polybasic.schedule import batch_gate  # noqa: E402
@@ -132,7 +133,7 @@ def drafts_read_with_the_decision(monkeypatch):
     keep = CostAwareSchedule.keep_drafting
     monkeypatch.setattr(CostAwareSchedule, "keep_drafting", lambda self, confidence: keep(self, confidence)
                         and confidence > 0.6)
-    counted = {"deferred": 0, "accepted past the cut": 0}
+    counted = {"deferred": 0, "accepted past the cut": 0, "device batches": 0, "device rounds": 0}
     original = Verifier._read
 
     def counting(self, proposals, decided, scores, deferred):
@@ -145,4 +146,13 @@ def drafts_read_with_the_decision(monkeypatch):
         return settled, reads
 
     monkeypatch.setattr(Verifier, "_read", counting)
+    run = DeviceBlocks.run
+
+    def counting_batches(self, requests):
+        counted["device batches"] += 1
+        for rounds in run(self, requests):
+            counted["device rounds"] += len(rounds)
+            yield rounds
+
+    monkeypatch.setattr(DeviceBlocks, "run", counting_batches)
     return counted

@@ -185,7 +185,8 @@ def exact_joint(target, setting: str, ids=None) -> np.ndarray:
     return joint.reshape(-1)
 
 
-def sample_counts(target, setting: str, assistants, seed: int, generate=hp.generate, samples: int = SAMPLES, **config):
+def sample_counts(target, setting: str, assistants, seed: int, generate=hp.generate, samples: int = SAMPLES,
+                  cache_implementation: str | None = None, **config):
     """Histogram over the 512 outcomes of ``samples`` continuations of ``target`` sampled through the
     chain (``generate``: the `custom_generate` callable, e.g. one built from deliberately wrong parts,
     or one on a simulated machine), and the call's `PolybasicStats` (to prove every level took part)."""
@@ -193,6 +194,7 @@ def sample_counts(target, setting: str, assistants, seed: int, generate=hp.gener
     torch.manual_seed(seed)
     out = target.generate(
         ids,
+        cache_implementation=cache_implementation,
         do_sample=True,
         max_new_tokens=STEPS,
         num_return_sequences=samples,

@@ -2,20 +2,27 @@
 rows still drafting. Each row stays exact: greedy rows equal plain generate on the same batch and
 the row decoded alone; sampled rows follow the target's distribution, independently."""
 
+import warnings
+from unittest import mock
+
 import numpy as np
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from helpers import ALPHA, SETTINGS, STEPS, VOCAB, assert_every_level_took_part, chi_square_p_value, exact_joint
 from helpers import left_padded
 from scipy.stats import chi2_contingency
 from transformers import StoppingCriteria, StoppingCriteriaList
 
 import hf_polybasic as hp
+from hf_polybasic.decoding import round as levels_round
 from hf_polybasic.decoding.build import ChainParts
 from hf_polybasic.decoding.round import Verifier
 from hf_polybasic.drafters import PromptLookup
 from hf_polybasic.decoding.round import ModelDrafter
 from hf_polybasic.generation import make_generate
+from hf_polybasic.schedule import SCHEDULES
 from hf_polybasic.testing import EOS, PAD, cheap_drafting_costs, prompt, simulated_machine
 
 CONFIG = hp.PolybasicConfig(num_draft_tokens=3, block_threshold=4, schedule="constant")
@@ -85,6 +92,55 @@ def test_drafts_read_with_the_verifiers_decision_keep_a_batch_equal_to_plain_gen
     assert torch.equal(out.sequences, plain)
     assert_every_level_took_part(out.polybasic_stats, rejections=False)
     assert drafts_read_with_the_decision["accepted past the cut"] > 0, drafts_read_with_the_decision
+    if static and depth == 3:  # the middle level's rounds ran on the device, a batch of them per read
+        assert out.polybasic_stats.levels[1].device_rounds > 0 and drafts_read_with_the_decision["device batches"] > 0
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@given(depth=st.integers(3, 4), rows=st.integers(1, 4), k=st.integers(1, 8), mu=st.integers(1, 12),
+       budget=st.integers(1, 40), eos_step=st.one_of(st.none(), st.integers(0, 39)), seed=st.integers(0, 1000),
+       schedule=st.sampled_from(SCHEDULES), compiled=st.booleans())
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+def test_rounds_decided_on_the_device_keep_a_batch_equal_to_plain_generate(
+        arch, depth, rows, k, mu, budget, eos_step, seed, schedule, compiled, shared_models):
+    """Where reads wait for the device, the level right above a model drafter decides its rounds on
+    the device, a batch of them per read (`hf_polybasic.decoding.device_blocks`): any K, mu, budget,
+    EOS, schedule and left-padded batch of ragged rows equals plain batched `generate`, static caches
+    compiled or not; under the constant schedule the statistics show the rounds ran there."""
+    target, *assistants = shared_models.chain(arch, depth, seed=32)
+    prompts = [prompt(1 + (seed + 5 * row) % 11, seed=seed + row)[0] for row in range(rows)]
+    ids, mask = left_padded(prompts)
+    options = dict(do_sample=False, max_new_tokens=budget, pad_token_id=PAD)
+    reference = target.generate(ids, attention_mask=mask, eos_token_id=EOS, **options)
+    eos = [EOS]
+    if eos_step is not None and eos_step < reference.shape[1] - ids.shape[1]:
+        eos.append(int(reference[0, ids.shape[1] + eos_step]))  # a token the target really emits ends row 0
+        reference = target.generate(ids, attention_mask=mask, eos_token_id=eos, **options)
+    config = hp.PolybasicConfig(num_draft_tokens=k, block_threshold=mu, schedule=schedule, compile=compiled)
+    with mock.patch.object(levels_round, "reads_wait", lambda device: True), warnings.catch_warnings(), \
+            simulated_machine(cheap_drafting_costs(target, assistants)) as simulated:
+        warnings.simplefilter("ignore")
+        out = target.generate(ids, attention_mask=mask, eos_token_id=eos, cache_implementation="static",
+                              custom_generate=simulated if schedule == "cost_aware" else hp.generate,
+                              assistant_models=assistants, polybasic_config=config, return_dict_in_generate=True,
+                              **options)
+    assert torch.equal(out.sequences, reference)
+    middle = out.polybasic_stats.levels[depth - 2]
+    assert middle.runner.startswith("static")
+    DEVICE_ROUNDS[schedule] += middle.device_rounds
+    if schedule == "constant" and budget >= 2:
+        assert middle.device_rounds > 0, out.polybasic_stats
+
+
+DEVICE_ROUNDS = {schedule: 0 for schedule in SCHEDULES}
+
+
+def test_every_schedule_had_rounds_decided_on_the_device():
+    """The property above reached the device rounds under every schedule (a test that never ran them
+    would compare plain generate with the host loop)."""
+    if not any(DEVICE_ROUNDS.values()):
+        pytest.skip("the property test did not run in this session")
+    assert all(DEVICE_ROUNDS.values()), DEVICE_ROUNDS
 
 
 def test_a_row_that_stops_leaves_the_batchs_work(shared_models):

@@ -83,23 +83,46 @@ def test_a_batch_under_cuda_graphs_equals_plain_batched_generate(cuda_graphs):
     assert out.polybasic_stats.levels[0].runner == "static, compiled"
 
 
-@pytest.mark.parametrize("config", [hp.PolybasicConfig(), hp.PolybasicConfig(schedule="constant", num_draft_tokens=6)],
-                         ids=["default", "constant-k6"])
-def test_a_round_waits_for_the_gpu_once(config, cuda_graphs):
-    """torch's own count of synchronizing calls (``set_sync_debug_mode("warn")``) in a warm call of
-    [drafter]: at most the target's decision (which reads the drafts with it) per round, plus the
-    call's own."""
-    target, draft = _chain(2, seed=43)
-    ids = prompt(12, seed=5).cuda()
-    _generate(target, [draft], ids, 48, config)  # compiles, measures the cost curves
+def _syncs(target, assistants, ids, new_tokens, config):
+    """A warm call (the first compiles and measures the cost curves) and torch's own count of
+    synchronizing calls in it (``set_sync_debug_mode("warn")``)."""
+    _generate(target, assistants, ids, new_tokens, config)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         torch.cuda.set_sync_debug_mode("warn")
         try:
-            out = _generate(target, [draft], ids, 48, config)
+            out = _generate(target, assistants, ids, new_tokens, config)
         finally:
             torch.cuda.set_sync_debug_mode(0)
-    syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message)]
+    return out, [str(w.message) for w in caught if "synchroniz" in str(w.message)]
+
+
+@pytest.mark.parametrize("config", [hp.PolybasicConfig(), hp.PolybasicConfig(schedule="constant", num_draft_tokens=6)],
+                         ids=["default", "constant-k6"])
+def test_a_round_waits_for_the_gpu_once(config, cuda_graphs):
+    """[drafter]: at most the target's decision (which reads the drafts with it) per round, plus the
+    call's own."""
+    target, draft = _chain(2, seed=43)
+    out, syncs = _syncs(target, [draft], prompt(12, seed=5).cuda(), 48, config)
     rounds = out.polybasic_stats.levels[0].forward_passes
     assert out.polybasic_stats.levels[0].runner == "static, compiled"
     assert len(syncs) <= rounds + SYNCS_PER_CALL, (len(syncs), rounds, sorted(set(syncs))[:5])
+
+
+@pytest.mark.parametrize("config", [hp.PolybasicConfig(),
+                                    hp.PolybasicConfig(schedule="constant", num_draft_tokens=4, block_threshold=8)],
+                         ids=["default", "constant-k4-mu8"])
+def test_a_three_level_round_waits_for_the_gpu_at_most_twice(config, cuda_graphs):
+    """[middle, drafter]: the middle level decides its rounds on the GPU, a batch of them per read
+    (`hf_polybasic.decoding.device_blocks`), the target reads its decision once: at most two waits
+    per target round, plus the call's own; the output is plain generate's."""
+    target, middle, draft = _chain(3, seed=44)
+    ids = prompt(12, seed=6).cuda()
+    out, syncs = _syncs(target, [middle, draft], ids, 48, config)
+    levels = out.polybasic_stats.levels
+    assert torch.equal(out.sequences, _plain(target, ids, 48))
+    assert [level.runner for level in levels] == ["static, compiled"] * 3
+    if config.schedule == "constant":  # the default may rightly let equal-cost tiny models sit out
+        assert levels[1].device_rounds > 0
+    rounds = levels[0].forward_passes
+    assert len(syncs) <= 2 * rounds + SYNCS_PER_CALL, (len(syncs), rounds, sorted(set(syncs))[:5])

@@ -506,6 +506,7 @@ def check_statistics(case: Case, resolved: Resolved, stats) -> None:
         TALLY[f"runner {level.runner}"] += level.forward_passes > 0
         TALLY[f"{kind} proposed, reads {case.reads}"] += level.proposed > 0
         TALLY["bypassed middle levels"] += level.bypassed_rounds > 0
+        TALLY["rounds decided on the device"] += level.device_rounds
     if case.runner == "dynamic":
         assert all(level.runner in ("dynamic", "") for level in levels), f"static runners without asking: {lines}"
     if case.schedule in ("constant", "heuristic") and case.budget >= 2:

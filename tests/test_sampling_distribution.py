@@ -91,6 +91,47 @@ def test_drafts_read_with_the_verifiers_decision_sample_the_target_distribution(
     assert chi_square_p_value(counts, exact_distribution(setting)) > ALPHA
 
 
+def test_rounds_decided_on_the_device_sample_the_target_distribution(drafts_read_with_the_decision,
+                                                                   distribution_models, exact_distribution):
+    """[middle, drafter] on static caches where reads wait for the device: the middle level's rounds
+    are decided on the device, a batch per read (`hf_polybasic.decoding.device_blocks`), and the
+    chain still samples the target's distribution."""
+    setting = "temperature+top_k+top_p"
+    target, *assistants = distribution_models[:3]
+    with simulated_machine(cheap_drafting_costs(target, assistants)) as generate:
+        counts, stats = sample_counts(target, setting, assistants, seed=29, generate=generate, block_threshold=3,
+                                      cache_implementation="static")
+    print(drafts_read_with_the_decision, assert_every_level_took_part(stats))
+    assert stats.levels[1].device_rounds > 0.5 * stats.levels[1].verifications
+    assert chi_square_p_value(counts, exact_distribution(setting)) > ALPHA
+
+
+def test_negative_control_rounds_on_the_device_emitting_the_rejected_draft(
+        drafts_read_with_the_decision, distribution_models, exact_distribution, monkeypatch):
+    """The same test fails when the device rounds hand up, where the middle level rejected a draft,
+    that draft instead of its own token (a plausible off-by-one of ``accepted``)."""
+    from hf_polybasic.decoding.device_blocks import DeviceBlocks
+
+    verify = DeviceBlocks._verify
+
+    def rejected_kept(self, state, drafts, probs, sequences, rules):
+        active, accepted, emitted, scores, confidences = verify(self, state, drafts, probs, sequences, rules)
+        w = drafts.shape[1]
+        positions = torch.arange(w + 1, device=emitted.device)
+        padded = torch.cat([drafts, emitted[:, w:]], 1)  # [rows, w + 1]: the drafts, then the level's last token
+        wrong = torch.where(positions <= accepted.unsqueeze(1), padded, emitted)
+        return active, accepted, wrong, scores, confidences
+
+    monkeypatch.setattr(DeviceBlocks, "_verify", rejected_kept)
+    setting = "temperature+top_k+top_p"
+    target, *assistants = distribution_models[:3]
+    with simulated_machine(cheap_drafting_costs(target, assistants)) as generate:
+        counts, stats = sample_counts(target, setting, assistants, seed=29, generate=generate, block_threshold=3,
+                                      cache_implementation="static")
+    assert stats.levels[1].device_rounds > 0
+    assert chi_square_p_value(counts, exact_distribution(setting)) < ALPHA
+
+
 def test_negative_control_emitting_the_wrong_token_past_the_cut(drafts_read_with_the_decision, distribution_models,
                                                                 exact_distribution):
     setting = "temperature+top_k+top_p"

@@ -8,6 +8,8 @@ row at once (``{row: (sequence, budget)}``). A round, as this file runs it:
    tokens and the distribution each was drawn from (`Proposal`).
    a. An `IntermediateLevel` verifies rounds of the level below it (this same recursion, one level
       down) until each row's block holds mu tokens, an EOS or the budget, and hands the block up.
+      Where reads wait for the device (a GPU) its rounds are decided there, a batch of them per read
+      (`hf_polybasic.decoding.device_blocks`), and added to the blocks as this loop adds them.
       When its shape gate says so it sits the round out: the drafter proposes straight up under the
       schedules the gate's shape prices (``propose(requests, schedules=...)``, *bypassed*), or the
       middle model drafts alone (*dropped*).
@@ -56,6 +58,7 @@ from ..schedule.shape_gate import BYPASSED, DROPPED
 from ..stats import LevelStats
 from ..timing import DEFAULT_CLOCK, Clock, DeviceSpan, timed
 from .acceptance import greedy_decision, speculative_decision
+from .device_blocks import DeviceBlocks
 from .protocol import Block, Deferred, Level, Proposal, Runner
 
 
@@ -118,21 +121,38 @@ class Proposer:
     def _observe(self, blocks: dict[int, Block], seconds: float) -> None:
         """Each row's proposal is recorded and its schedule learns what it cost: the rows' shared
         ``seconds`` split by tokens."""
-        total = sum(block.size for block in blocks.values())
-        for row, block in blocks.items():
-            self._proposed[row] = block.size
-            self.stats.proposed += block.size
+        self._record({row: block.size for row, block in blocks.items()}, seconds)
+
+    def _record(self, sizes: dict[int, int], seconds: float) -> None:
+        total = sum(sizes.values())
+        for row, size in sizes.items():
+            self._proposed[row] = size
+            self.stats.proposed += size
             if self._active is not None:
-                self._active[row].observe_proposal(block.size, seconds * block.size / total if total else 0.0)
+                self._active[row].observe_proposal(size, seconds * size / total if total else 0.0)
+
+    def _learn(self, kept: dict[int, int], seconds: float) -> None:
+        if self._active is not None:
+            for row, count in kept.items():
+                self._active[row].observe_verification(self._proposed[row], count, seconds)
 
     def verified(self, kept: dict[int, int], seconds: float) -> None:
         """The level above kept the first ``kept[row]`` tokens of each row's last proposal (its share of
         the verification took ``seconds``): the schedules it was made under learn, and the level rolls
         back to them."""
-        if self._active is not None:
-            for row, count in kept.items():
-                self._active[row].observe_verification(self._proposed[row], count, seconds)
+        self._learn(kept, seconds)
         self.rollback_rows({row: self._starts[row] + count for row, count in kept.items()})
+
+    def observe_round(self, proposed: dict[int, int], seconds: float, kept: dict[int, int],
+                      verify_seconds: float) -> None:
+        """A round proposed ``proposed[row]`` tokens (in ``seconds``) and the level above kept
+        ``kept[row]`` (its share took ``verify_seconds``), made without `propose` and `verified` (an
+        intermediate level's rounds decided on the device, `hf_polybasic.decoding.device_blocks`):
+        recorded and learned as they would have been, under the level's own schedules; nothing rolls
+        back (the runners hold what the device decided)."""
+        self._active = self.schedules
+        self._record(proposed, seconds)
+        self._learn(kept, verify_seconds)
 
     def propose(self, requests: dict[int, tuple[torch.LongTensor, int]],
                 schedules: dict[int, Schedule] | None = None) -> dict[int, Proposal]:
@@ -186,7 +206,7 @@ class Verifier:
             }
             # 3. decide, on the device: [accepted, next token] per row
             try:
-                decided = {row: self._decide(proposals[row], scores[row]) for row in requests}  # [2] each
+                decided = {row: self.decide(proposals[row], scores[row]) for row in requests}  # [2] each
             except RuntimeError as error:  # vocab_head: a restricted level may be left nothing to sample from
                 if self.samples and not all(bool(torch.isfinite(s).any(-1).all()) for s in scores.values()):
                     raise ValueError(NOTHING_TO_SAMPLE.format(level=self.runner.role)) from error
@@ -209,7 +229,7 @@ class Verifier:
         self.child.verified(kept, seconds / len(kept))
         return rounds  # 6. hand up: each row's accepted drafts, then this level's own token
 
-    def _decide(self, proposal: Proposal, scores: torch.Tensor) -> torch.Tensor:
+    def decide(self, proposal: Proposal, scores: torch.Tensor) -> torch.Tensor:
         """The one place a row's drafts are accepted (`hf_polybasic.decoding.acceptance`): ``[accepted, next token]``
         on the device."""
         if self.samples:
@@ -322,6 +342,8 @@ class IntermediateLevel(Proposer):
         self.stats = verifier.stats
         verifier.confidences = any(schedule.stops_per_token for schedule in schedules.values())
         self.shape_gate, self.bypass_schedules, self.drop_drafter = shape_gate, bypass_schedules, drop_drafter
+        # over a model drafter, where reads wait for the device: many rounds a read (`DeviceBlocks`)
+        self.device_blocks = DeviceBlocks(verifier, verifier.child) if isinstance(verifier.child, ModelDrafter) else None
         self._bypassing = self._dropping = False
         self._before: tuple[int, ...] | None = None
 
@@ -390,6 +412,10 @@ class IntermediateLevel(Proposer):
                 building.append(row)
         with timed(self.clock) as span:  # this level and everything below: what the blocks cost
             while building:
+                if (self.device_blocks is not None and reads_wait(self.verifier.runner.device)
+                        and self.device_blocks.serves(self.verifier.rules)):
+                    building = self._device_rounds(requests, blocks, thresholds, building)
+                    continue
                 rounds = self.verifier.verify({
                     row: (torch.cat([requests[row][0], blocks[row].tokens]), requests[row][1] - blocks[row].size + 1)
                     for row in building
@@ -397,6 +423,23 @@ class IntermediateLevel(Proposer):
                 building = [row for row in building if self._extend(row, blocks[row], rounds[row], thresholds[row])]
         self._observe(blocks, span.seconds)
         return {row: block.proposal() for row, block in blocks.items()}
+
+    def _device_rounds(self, requests: dict[int, tuple[torch.LongTensor, int]], blocks: dict[int, Block],
+                       thresholds: dict[int, int], building: list[int]) -> list[int]:
+        """A batch of rounds decided on the device, read once (`DeviceBlocks`), added to the blocks
+        round by round as the loop above adds them; the rows still building."""
+        asked = {row: (torch.cat([requests[row][0], blocks[row].tokens]), blocks[row].budget - blocks[row].size,
+                       thresholds[row] - blocks[row].size) for row in building}
+        ran = False
+        for rounds in self.device_blocks.run(asked):
+            ran = ran or any(row in rounds for row in building)
+            building = [row for row in building if row not in rounds or self._extend(
+                row, blocks[row], Round(*rounds[row][:2], logits=rounds[row][1], ids=rounds[row][2],
+                                        confidences=rounds[row][3]), thresholds[row])]
+        if not ran:
+            raise RuntimeError(f"{self.verifier.runner.role}: a batch of device rounds ran for none of rows {building}; "
+                               "this is a bug in hf_polybasic")
+        return building
 
     def _extend(self, row: int, block: Block, round_: Round, threshold: int) -> bool:
         """Add a round's tokens to the row's block; whether the row goes on building."""
@@ -517,7 +560,7 @@ class ModelDrafter(Proposer):
                 if behind > 1:
                     catch_up += forward.seconds * (behind - 1) / behind
                 for row in drafting:
-                    drawn[row].append(self._draw(row, grown[row], logits[row], row in by_confidence))
+                    drawn[row].append(self.draw(row, grown[row], logits[row], row in by_confidence))
                 if stepwise:
                     drafting = self._keep_step(blocks, drawn, drafting)
                 else:
@@ -557,7 +600,7 @@ class ModelDrafter(Proposer):
             proposals[row] = Proposal(torch.cat([d.token for d in draws]), probs, None, deferred)
         return proposals
 
-    def _draw(self, row: int, grown: torch.LongTensor, logits: torch.Tensor, confidence: bool) -> Draw:
+    def draw(self, row: int, grown: torch.LongTensor, logits: torch.Tensor, confidence: bool) -> Draw:
         """The row's next token, drawn on the device: its processed distribution's argmax, or a sample
         of it; with ``confidence``, its probability. A position where the processors leave no
         finite score (a constraint outside what this model proposes) draws nothing valid."""

@@ -79,6 +79,11 @@ class RunnerBase:
         self._attention = attention_for(self.device, fixed_shapes=False)
 
     @property
+    def checks_ids(self) -> bool:
+        """Whether ids fed to the model are checked on the host first (it embeds fewer than the target emits)."""
+        return self._ids_need_check
+
+    @property
     def length(self) -> int:
         """Cached tokens of the only row (a one-row runner)."""
         return self.lengths[0]

@@ -343,12 +343,19 @@ class StaticRunner(RunnerBase):
 
     def _forward(self, fed: dict[int, torch.LongTensor], prefill: bool) -> torch.Tensor:
         """Logits ``[rows, width, V]`` of one forward of each row's ``fed`` tokens from its length on,
-        padded to a width of `WIDTHS` (a prefill: to its own). Compiled where the runner is, once the
-        cache is allocated (a graph then only writes it), but for a prefill; a forward that makes a
-        graph is not timed into the cost curves (it holds the compilation)."""
+        padded to a width of `WIDTHS` (a prefill: to its own)."""
         needed = max(int(tokens.shape[0]) for tokens in fed.values())
         width = bucket(needed, self.widths)
         input_ids, position_ids, slots = self._inputs(fed, width)
+        return self._run(input_ids, position_ids, slots, prefill)
+
+    def _run(self, input_ids: torch.LongTensor, position_ids: torch.LongTensor, slots: torch.LongTensor,
+             prefill: bool = False) -> torch.Tensor:
+        """Logits ``[rows, width, V]`` of one forward (inputs ``[rows, width]``, on the device). Compiled
+        where the runner is, once the cache is allocated (a graph then only writes it), but for a
+        prefill; a forward that makes a graph is not timed into the cost curves (it holds the
+        compilation)."""
+        width = input_ids.shape[1]
         self.cache.write_slots = slots
         compiled = self._compiled is not None and width <= max(self.widths) and self.cache.allocated and not prefill
         making_graph = compiled and width not in self.cache.compiled_widths
@@ -365,6 +372,24 @@ class StaticRunner(RunnerBase):
         if not prefill:
             self.forward_widths.append(width)
         return logits
+
+    def forward_from(self, input_ids: torch.LongTensor, starts: torch.LongTensor) -> torch.Tensor:
+        """Float32 logits ``[rows, width, V]`` (the target's width) of every row's ``input_ids``
+        ``[rows, width]`` (``width`` one of `WIDTHS`) written from position ``starts[row]`` on, with
+        ``starts`` ``[rows]`` on the device: positions the host does not know
+        (`hf_polybasic.decoding.device_blocks`). The host's ``lengths`` stay as they were until
+        `hold` says what the cache holds."""
+        if self.cache is None:
+            self.cache = take_cache(self.model, self.rows, self.capacity)
+        positions = starts.unsqueeze(1) + torch.arange(input_ids.shape[1], device=starts.device)  # [rows, width]
+        logits = self._run(input_ids, positions, positions)
+        # a copy, always: a CUDA graph's output is overwritten by its next replay
+        return self._to_target_vocabulary(logits[..., : self.vocab_limit].to(torch.float32, copy=True))
+
+    def hold(self, lengths: dict[int, int]) -> None:
+        """Each row's cache now holds ``lengths[row]`` tokens of its sequence (after `forward_from`)."""
+        for row, length in lengths.items():
+            self.lengths[row] = length
 
     def _inputs(self, fed: dict[int, torch.LongTensor], width: int):
         """Token ids, positions and write slots ``[rows, width]`` on the device: each asked row's new

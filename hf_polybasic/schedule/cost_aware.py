@@ -46,6 +46,8 @@ from .rates import acceptance_rate_estimate, best_length, decayed, worth_more
 # verifications before the back-off judges the rounds and a Drafter's length moves (the first one,
 # which includes the prompt's prefill, never counts towards a yield or the overhead)
 WARMUP_ROUNDS = 3
+# what a per-token schedule drafts without stopping token by token before it has measured anything
+FIRST_FIXED_LENGTH = 4
 # acceptance of a round's first token before any evidence, as (accepted, rejected) pseudo-counts
 FIRST_TOKEN_PRIOR = (1.5, 0.5)
 # the clock's safety net: rounds with proposals in the window, and the share of plain decoding's
@@ -143,6 +145,19 @@ class CostAwareSchedule:
         if self.gate is not None and self.gate.cap is not None:  # a batch not yet seen to pay: short proposals
             return min(self.current, self.gate.cap)
         return self.current
+
+    def fixed_length(self) -> int:
+        """Tokens to propose in the next round where the level cannot stop token by token (a drafter
+        whose rounds are decided on the device, `hf_polybasic.decoding.device_blocks`): `length`, at
+        most the best fixed length for the measured acceptance and costs (`best_length`) once warmed
+        up, and at most `FIRST_FIXED_LENGTH` before."""
+        length = self.length()
+        if not self.per_token or length == 0:
+            return length
+        if self.rounds < WARMUP_ROUNDS:
+            return min(length, FIRST_FIXED_LENGTH)
+        return min(length, best_length(min(self.acceptance_rate(), 0.999), self.seconds_per_token(),
+                                       self.verification_seconds, self.maximum))
 
     def keep_drafting(self, confidence: float) -> bool:
         """Whether a model level should propose one more token this round, given its confidence in

@@ -16,6 +16,9 @@ class ConstantSchedule:
     def length(self) -> int:
         return self.current
 
+    def fixed_length(self) -> int:
+        return self.length()
+
     def keep_drafting(self, confidence: float) -> bool:
         return True
 
