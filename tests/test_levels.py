@@ -99,6 +99,28 @@ def test_negative_control_a_drafter_that_misreports_its_distribution_is_caught(e
     assert chi_square_p_value(counts, exact_distribution(SETTING)) < ALPHA
 
 
+def _target_and_exact_copies():
+    target = make_target("llama", seed=5, logit_scale=1.0)  # near-uniform: an argmax draft is rarely sampled
+    return target, noisy_copy(target, 0.0, 1), noisy_copy(target, 0.0, 2)
+
+
+@pytest.mark.parametrize("depth, verification", [(2, "greedy"), (3, "auto"), (3, "greedy")])
+def test_a_drafter_drafts_as_the_level_verifying_it_verifies(depth, verification, shared_models):
+    """A model drafter samples its drafts under a level that verifies by sampling (the target always
+    does; a middle level under ``verification="auto"``) and drafts by argmax under a middle level that
+    verifies greedily: a sampled draft would only lower a greedy level's acceptance, and an argmax one
+    a sampling level's. With the drafter an exact copy of the level above it, drafting that way has
+    every draft accepted; the other way (near-uniform distributions at temperature 1.5) almost none."""
+    target, *copies = shared_models.built(("exact copies", "llama"), _target_and_exact_copies)
+    torch.manual_seed(0)
+    out = target.generate(prompt(6, seed=3), custom_generate=hp.generate, assistant_models=copies[: depth - 1],
+                          do_sample=True, temperature=1.5, max_new_tokens=30, eos_token_id=None,
+                          return_dict_in_generate=True, polybasic_config=hp.PolybasicConfig(
+                              num_draft_tokens=3, block_threshold=4, schedule="constant", verification=verification))
+    above_drafter = out.polybasic_stats.levels[depth - 2]
+    assert above_drafter.drafted >= 10 and above_drafter.accepted == above_drafter.drafted
+
+
 # --- the pieces -----------------------------------------------------------------------------------
 def test_prompt_lookup_proposes_what_followed_the_latest_longest_match():
     lookup = PromptLookup(max_ngram=3, num_tokens=2)
