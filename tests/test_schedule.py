@@ -379,6 +379,22 @@ def test_on_a_machine_where_verification_is_flat_it_drafts_long():
     assert target_level.drafted / target_level.verifications > 4  # beyond the configured K = 4
 
 
+def test_a_drafter_dearer_than_the_target_never_runs_not_even_its_first_rounds(shared_models):
+    """A model drafter whose forward costs more than the target's (flat, as on a GPU): not even
+    perfect acceptance could pay, so the chain's drafter backs off before its first proposal (the
+    static check of its schedule, `CostAwareSchedule._proposing_cannot_pay`) and the call costs what
+    plain decoding does, without the drafter's prefill and warm-up rounds."""
+    target, draft = shared_models.chain("llama", 2, seed=4)
+    ids, options = prompt(6, seed=2), dict(do_sample=False, max_new_tokens=24, eos_token_id=None)
+    with simulated_machine({target: lambda n: 0.010, draft: lambda n: 0.012}) as generate:
+        out = target.generate(ids, custom_generate=generate, assistant_models=[draft], return_dict_in_generate=True,
+                              **options)
+    assert torch.equal(out.sequences, target.generate(ids, **options))
+    target_level, drafter_level = out.polybasic_stats.levels
+    assert drafter_level.forward_passes == 0 and drafter_level.paused_rounds > 0
+    assert target_level.forward_passes == 24
+
+
 def test_the_simulated_policy_is_deterministic():
     runs = [_simulated_run(lambda k: 0.010 + 0.002 * k, lambda k: 0.001)[1].polybasic_stats for _ in range(2)]
     assert [level.acceptance_lengths for level in runs[0].levels] == [level.acceptance_lengths for level in runs[1].levels]
