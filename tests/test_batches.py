@@ -420,6 +420,23 @@ def test_a_batch_sat_out_from_the_start_never_prefills_the_drafter(shared_models
     assert out.polybasic_stats.levels[1].forward_passes == 0
 
 
+def test_a_batch_whose_drafter_costs_a_target_step_never_drafts(shared_models):
+    """A memory-bound target (a forward of any width costs one step) and a drafter as dear per step:
+    verifying several rows' drafts would be free, but drafting them costs what the plain steps they
+    replace do, so the batch's up-front check (which prices the drafter's steps from its curve, not
+    as free) sits the batch out from the start: the drafter is never prefilled."""
+    from hf_polybasic.testing import simulated_machine
+
+    target, draft = shared_models.chain("llama", 2, seed=73)
+    ids, mask = left_padded([prompt(n, seed=n)[0] for n in (5, 7, 6, 9)])
+    options = dict(do_sample=False, max_new_tokens=20, eos_token_id=None, pad_token_id=PAD)
+    with simulated_machine({target: lambda tokens: 0.01, draft: lambda tokens: 0.01}) as generate:
+        out = target.generate(ids, attention_mask=mask, custom_generate=generate, assistant_models=[draft],
+                              return_dict_in_generate=True, **options)
+    assert torch.equal(out.sequences, target.generate(ids, attention_mask=mask, **options))
+    assert out.polybasic_stats.levels[1].forward_passes == 0
+
+
 # --- statistics as a second oracle -------------------------------------------------------------------
 COUNTS = ("verifications", "drafted", "accepted", "proposed")
 
