@@ -112,6 +112,29 @@ def test_generate_runs_on_a_store_it_can_neither_read_nor_write(tmp_path, model,
     assert torch.equal(out, model.generate(ids, **options))
 
 
+def test_a_call_refreshes_the_curves_of_the_runners_its_forwards_went_through(model):
+    """What a call's forwards cost moves the curve of the runner they went through, for the next
+    call: a dynamic call's the dynamic curves, a static call's (``cache_implementation="static"``)
+    the static ones, not the dynamic ones (a static runner's T(k) is another curve)."""
+    draft = noisy_copy(model, 0.05, 1)
+    costs, runners = {model: 0.01, draft: 0.001}, []  # drafting pays: both models run, their forwards timed
+
+    def measure(measured, clock=None, runner="dynamic", capacity=None):
+        runners.append(runner)
+        return CostCurve({k: costs[measured] * (1 + 0.01 * k) for k in (1, 2, 4, 8, 16)})
+
+    store = CostCurves(None, measure=measure, key=lambda m: f"{cost_key(m)}-{id(m)}")
+    generate = make_generate(costs=store)
+    ids, options = prompt(5, seed=4), dict(do_sample=False, max_new_tokens=12, eos_token_id=None)
+    model.generate(ids, custom_generate=generate, assistant_models=[draft], **options)
+    learned = {m: store.curve_for(m).observations for m in (model, draft)}
+    assert all(learned.values())
+    model.generate(ids, custom_generate=generate, assistant_models=[draft], cache_implementation="static", **options)
+    assert all(store.curve_for(m, runner="static").observations > 0 for m in (model, draft))
+    assert {m: store.curve_for(m).observations for m in (model, draft)} == learned
+    assert runners == ["dynamic"] * 2 + ["static"] * 2
+
+
 def test_concurrent_writers_never_leave_a_torn_or_temporary_file(tmp_path, model):
     key = cost_key(model)
     curves = [CostCurve({1: 0.01 * (i + 1), 16: 0.02 * (i + 1)}, description={"pad": "x" * 20000}) for i in range(4)]
