@@ -427,3 +427,19 @@ def test_negative_control_a_drop_that_reports_the_wrong_positions_distribution(
     monkeypatch.setattr(IntermediateLevel, "_drop", shifted)
     counts, _ = _sampled(distribution_models, "dropped_rounds")
     assert chi_square_p_value(counts, exact_distribution("temperature+top_k+top_p")) < ALPHA
+
+
+def test_what_the_middle_level_drafting_alone_learned_is_kept_for_it_proposing_to_the_level_above(drop_early):
+    """With the drafter dropped the middle level drafts straight to the target, under a calibration of
+    its own: what it learned there (the target's acceptance of its drafts by its confidences) is kept
+    for the next call of this chain under the pair that judged those drafts, the middle level
+    proposing to the target (a pair keyed by the drafter below instead would hand it to a chain with
+    another target above the same two models)."""
+    from hf_polybasic.schedule import calibration
+
+    target, middle, draft, _ = _machine(0.05, 0.01, 0.005, 0.6)
+    with simulated_machine(cheap_drafting_costs(target, [middle, draft])) as generate:
+        out = target.generate(prompt(8, seed=1), custom_generate=generate, assistant_models=[middle, draft],
+                              do_sample=False, max_new_tokens=24, eos_token_id=None, return_dict_in_generate=True)
+    assert out.polybasic_stats.levels[2].dropped_rounds > 0
+    assert calibration.remembered.start(middle, target, (draft,)).carried > 0
