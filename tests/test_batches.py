@@ -511,6 +511,40 @@ def test_a_single_row_runner_has_nothing_to_release_or_prefill_repeated(shared_m
         CachedModel(model, new_dynamic_cache(model), "the one row").prefill_repeated({0: prompt(4, seed=1)[0]}, 1)
 
 
+def test_a_runner_of_two_rows_or_more_needs_an_empty_cache_of_its_own(shared_models):
+    """A batch's runner lays every row's tokens out in one cache of its own (holes, masks): from the
+    smallest batch on it refuses a cache that already holds tokens, or none (``use_cache=False``,
+    which the chain decodes row by row), naming the model, rather than decode from a wrong layout."""
+    from hf_polybasic import compat
+    from hf_polybasic.runners.dynamic import CachedModel
+    from hf_polybasic.compat import new_dynamic_cache
+
+    model = shared_models.chain("llama", 1, seed=75)[0]
+    prefilled = new_dynamic_cache(model)
+    model(prompt(4, seed=1), use_cache=True, **{compat.cache_argument(model): prefilled})
+    for cache in (None, prefilled):
+        with pytest.raises(ValueError, match="the batch: a batch of rows needs an empty cache of its own"):
+            CachedModel(model, cache, "the batch", rows=2)
+    assert CachedModel(model, new_dynamic_cache(model), "the batch", rows=2).lengths == [0, 0]
+
+
+def test_a_runner_without_a_cache_holds_no_tokens_until_it_is_fed(shared_models):
+    """``use_cache=False``: the runner feeds the whole sequence at every forward, and its ``lengths``
+    (what the levels read as the tokens it holds) count none before its first forward, then the
+    sequence it was last fed, as a runner with a cache does."""
+    from hf_polybasic.runners.dynamic import CachedModel
+    from hf_polybasic.compat import new_dynamic_cache
+
+    model = shared_models.chain("llama", 1, seed=75)[0]
+    sequence = prompt(6, seed=2)[0]
+    for cache in (None, new_dynamic_cache(model)):
+        runner = CachedModel(model, cache, "the one row")
+        assert runner.lengths == [0]
+        logits = runner.logits(sequence, 2)
+        assert runner.lengths == [6]
+        assert torch.allclose(logits, model(sequence[None]).logits[0, -2:], atol=1e-5)
+
+
 def test_a_drafter_reporting_nan_log_probs_is_refused():
     from hf_polybasic.decoding.round import check_drafter_output
 
