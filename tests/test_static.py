@@ -9,6 +9,7 @@ and ``PolybasicConfig(compile=...)`` sees. Compiled forwards trace with dynamo's
 
 from __future__ import annotations
 
+import copy
 import threading
 import warnings
 
@@ -168,6 +169,47 @@ def test_a_model_the_static_runner_refuses_keeps_the_dynamic_cache_with_a_warnin
                       polybasic_config=hp.PolybasicConfig(schedule="constant"))
     assert torch.equal(out.sequences, mistral.generate(ids, do_sample=False, max_new_tokens=30))
     assert [level.runner for level in out.polybasic_stats.levels] == ["dynamic", "dynamic"]
+
+
+def _named_gemmas():
+    """A windowed target (layer 0); a copy that loads as another checkpoint (another model kind, the
+    same reason); the target's weights windowed in layer 1 instead (the target's kind, another reason)."""
+    target = tiny_chain("gemma3", depth=1)[0]
+    target.config.name_or_path = "org/tiny-gemma-big"
+    other_kind = noisy_copy(target, 0.02, 3)
+    other_kind.config.name_or_path = "org/tiny-gemma-small"
+    config = type(target.config).from_dict({**target.config.to_dict(), "layer_types": ["full_attention",
+                                                                                       "sliding_attention"]})
+    other_reason = type(target)(config).eval()
+    other_reason.load_state_dict(target.state_dict())
+    other_reason.generation_config = copy.deepcopy(target.generation_config)
+    return target, other_kind, other_reason
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_models_the_static_runner_refuses_are_named_once_per_kind_and_reason(compiled, shared_models):
+    """Each model kind the static runner refuses is named once per reason, by its level, with the
+    reason, and with what the rest of the chain does instead (static, or compiled, where it can): in
+    the first call the target, another kind refused for the same reason, and the target's kind
+    refused for another reason; in a later call none of them again."""
+    target, *chain = shared_models.built(("static-chain", "named gemma3"), _named_gemmas)
+    ids = prompt(6, seed=16)
+    said = []
+    for _ in range(2):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            out = _greedy(target, chain, ids, cache_implementation="static",
+                          polybasic_config=hp.PolybasicConfig(schedule="constant", compile=compiled))
+        said.append([str(w.message) for w in caught if str(w.message).startswith("hf_polybasic runs")])
+        assert torch.equal(out.sequences, target.generate(ids, do_sample=False, max_new_tokens=30))
+    assert len(said[0]) == 3 and said[1] == []
+    others = "The other models of the chain run " + ("compiled " if compiled else "") + "on static caches where they can"
+    for message, level, layer in zip(said[0], ["target M1 Gemma3ForCausalLM(tiny-gemma-big)",
+                                               "assistant_models[0] (M2 Gemma3ForCausalLM(tiny-gemma-small))",
+                                               "assistant_models[1] (M3 Gemma3ForCausalLM(tiny-gemma-big))"], [0, 0, 1]):
+        assert message.startswith(f"hf_polybasic runs {level} on a dynamic cache" + (", uncompiled" if compiled else "")
+                                  + f": it has windowed attention (layer {layer}")
+        assert message.endswith(others)
 
 
 def test_a_hooked_model_runs_static_uncompiled_with_a_warning():
