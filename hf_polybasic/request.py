@@ -7,7 +7,6 @@ hidden states, right padding, ...); see ``docs/reference/errors.md`` for every m
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -21,6 +20,7 @@ from .drafters import AddedPromptLookup, Drafter
 from .processing import reject_stateful_processors
 from .models.vocab_head import drafting_view
 from .vocabulary import as_id_list, check_chain_vocabularies
+from .user_warnings import warn
 
 # model_kwargs that `generate` prepares and the engine understands (it recomputes positions per row)
 HANDLED_MODEL_KWARGS = frozenset(
@@ -115,14 +115,11 @@ def check_request(
         given_cache = new_dynamic_cache(model)
     elif given_cache is not None and compat.replaceable_empty_cache(given_cache, made_by_generate):
         if not compat.is_dynamic_cache(given_cache):
-            warnings.warn(
+            warn(
                 f"hf_polybasic replaces the empty {type(given_cache).__name__} that "
                 f"cache_implementation={generation_config.cache_implementation!r} made with a DynamicCache: a "
                 "speculative chain cuts rejected tokens from its caches, which a static, hybrid or quantized cache "
-                "cannot do",
-                UserWarning,
-                stacklevel=4,
-            )
+                "cannot do")
         given_cache = new_dynamic_cache(model)  # laid out for rollback here
     if given_cache is not None and compat.cached_tokens(given_cache) > 0 and len(rows) > 1:
         raise ValueError("a pre-filled past_key_values can only be continued with a single prompt")

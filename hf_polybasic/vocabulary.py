@@ -15,11 +15,11 @@ agree. `warn_if_levels_disagree` reports that after the call, so a wrong chain i
 
 from __future__ import annotations
 
-import warnings
 
 import torch
 
 from .labels import model_label
+from .user_warnings import warn
 
 # an assistant may have this fraction fewer input ids than the target can emit (padding rows)
 MAX_MISSING_FRACTION = 0.01
@@ -132,13 +132,10 @@ def warn_if_levels_disagree(stats, model_levels: list[bool]) -> bool:
         sat_out = below.paused_rounds >= max(level.verifications, 1) / 2
         if (level.drafted >= MIN_DRAFTS or sat_out) and level.accepted < MIN_AGREEMENT * level.drafted:
             pause = f", then let {level.name} decode alone for {below.paused_rounds} rounds" if sat_out else ""
-            warnings.warn(
+            warn(
                 f"{level.name} accepted {level.accepted} of {level.drafted} drafts from {below.name} "
                 f"({level.accepted / level.drafted:.1%}){pause}. Models that share a tokenizer rarely agree this little: "
                 "check that every model of the chain uses the target's tokenizer. Such a chain is no faster than "
-                "plain generate.",
-                UserWarning,
-                stacklevel=4,
-            )
+                "plain generate.")
             return True
     return False

@@ -191,7 +191,8 @@ def test_models_the_static_runner_refuses_are_named_once_per_kind_and_reason(com
     """Each model kind the static runner refuses is named once per reason, by its level, with the
     reason, and with what the rest of the chain does instead (static, or compiled, where it can): in
     the first call the target, another kind refused for the same reason, and the target's kind
-    refused for another reason; in a later call none of them again."""
+    refused for another reason, each at the line that called generate; in a later call none of them
+    again."""
     target, *chain = shared_models.built(("static-chain", "named gemma3"), _named_gemmas)
     ids = prompt(6, seed=16)
     said = []
@@ -201,6 +202,8 @@ def test_models_the_static_runner_refuses_are_named_once_per_kind_and_reason(com
             out = _greedy(target, chain, ids, cache_implementation="static",
                           polybasic_config=hp.PolybasicConfig(schedule="constant", compile=compiled))
         said.append([str(w.message) for w in caught if str(w.message).startswith("hf_polybasic runs")])
+        # said at the caller's line (`hf_polybasic.user_warnings`), the target's as the assistants'
+        assert {w.filename for w in caught if str(w.message).startswith("hf_polybasic runs")} <= {__file__}
         assert torch.equal(out.sequences, target.generate(ids, do_sample=False, max_new_tokens=30))
     assert len(said[0]) == 3 and said[1] == []
     others = "The other models of the chain run " + ("compiled " if compiled else "") + "on static caches where they can"

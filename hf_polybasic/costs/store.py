@@ -17,7 +17,6 @@ import math
 import os
 import tempfile
 import threading
-import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -27,6 +26,7 @@ from ..timing import DEFAULT_CLOCK, Clock
 from .curve import CostCurve, nondecreasing
 from .estimate import CostEstimate
 from .measure import cost_key, measure_curve
+from ..user_warnings import warn
 
 # the most a call's observations move a stored point (either way)
 MAX_REFRESH_FACTOR = 2.0
@@ -155,7 +155,7 @@ class CostCurves:
     def _warn_once(self, what: str, message: str) -> None:
         if what not in self._warned:
             self._warned.add(what)
-            warnings.warn(message, UserWarning, stacklevel=4)
+            warn(message)
 
     def _load(self, key: str) -> CostCurve | None:
         path = self._path(key)

@@ -7,7 +7,6 @@ Nothing here decodes: `build_chain` wires the levels of `hf_polybasic.decoding.r
 from __future__ import annotations
 
 import collections
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -27,6 +26,7 @@ from ..stats import LevelStats, PolybasicStats
 from ..timing import DEFAULT_CLOCK, Clock
 from ..processing import DecodingRules
 from .round import DrafterLevel, IntermediateLevel, ModelDrafter, Verifier
+from ..user_warnings import warn
 
 
 @dataclass(frozen=True)
@@ -52,8 +52,7 @@ def _warn_sat_out(name: str, reason: str, dropped: bool = False) -> None:
         how = ("The level above it drafted on its own; polybasic_stats says in how many rounds (dropped_rounds)"
                if dropped else
                "Its drafts went straight to the level above; polybasic_stats says in how many rounds (bypassed_rounds)")
-        warnings.warn(f"hf_polybasic let {name} sit out: the chain ran faster without it ({reason}). {how}",
-                      UserWarning, stacklevel=6)
+        warn(f"hf_polybasic let {name} sit out: the chain ran faster without it ({reason}). {how}")
 
 
 def level_names(target: torch.nn.Module, assistant_models: Sequence) -> list[str]:
@@ -173,7 +172,7 @@ def _warn_runner(model, reason: str, message: str) -> None:
     key = (model_label(model), reason)
     if key not in _warned_runners:
         _warned_runners.add(key)
-        warnings.warn(message, UserWarning, stacklevel=7)
+        warn(message)
 
 
 def build_chain(

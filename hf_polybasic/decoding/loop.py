@@ -20,7 +20,6 @@ with the reason said (`row_by_row_reason`).
 from __future__ import annotations
 
 import time
-import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -40,6 +39,7 @@ from ..runners.static import StaticRunner, capacity_for
 from ..stats import PolybasicStats
 from ..timing import DEFAULT_CLOCK, Clock, timed
 from ..vocabulary import warn_if_levels_disagree
+from ..user_warnings import warn
 
 
 @dataclass
@@ -184,12 +184,8 @@ def _warn_row_by_row(reason: str) -> None:
     if reason == _last_row_by_row_reason:
         return
     _last_row_by_row_reason = reason
-    warnings.warn(
-        f"hf_polybasic decodes this batch row by row (one forward per row): {reason}. Rows of other chains share "
-        "each forward.",
-        UserWarning,
-        stacklevel=5,
-    )
+    warn(f"hf_polybasic decodes this batch row by row (one forward per row): {reason}. Rows of other chains share "
+         "each forward.")
 
 
 def decode_rows(

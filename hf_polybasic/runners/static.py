@@ -35,7 +35,6 @@ whose logits must equal full forwards'. Anything else keeps the dynamic runner, 
 from __future__ import annotations
 
 import threading
-import warnings
 import weakref
 from collections.abc import Callable
 
@@ -45,6 +44,7 @@ from .. import compat
 from .base import RunnerBase
 from ..timing import DEFAULT_CLOCK, Clock
 from .transfer import upload
+from ..user_warnings import warn
 
 # Widths a forward is padded to (tokens per row); a wider one runs as several forwards of the
 # widest, except a prompt's prefill, which runs uncompiled at its own width.
@@ -220,13 +220,10 @@ def _may_make_graph(model, role: str) -> bool:
     kind = type(model).__name__
     if kind not in _warned_graph_limit:
         _warned_graph_limit.add(kind)
-        warnings.warn(
+        warn(
             f"hf_polybasic: {role} has made {GRAPHS_PER_MODEL} compiled graphs (GRAPHS_PER_MODEL: one per width, "
             "batch size and cache tier); forwards of new shapes now run uncompiled. Calls of fewer distinct batch "
-            "sizes and budgets keep every forward compiled",
-            UserWarning,
-            stacklevel=6,
-        )
+            "sizes and budgets keep every forward compiled")
     return False
 
 
