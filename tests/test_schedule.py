@@ -258,6 +258,26 @@ def test_it_backs_off_at_once_when_not_even_perfect_acceptance_could_pay():
     assert flat.length() == 16  # a model level proposes up to the maximum; keep_drafting ends the proposal
 
 
+def test_a_level_that_cannot_stop_token_by_token_drafts_the_best_fixed_length():
+    """`fixed_length` (a drafter whose rounds run on the device, `hf_polybasic.decoding.device_blocks`):
+    a per-token schedule drafts FIRST_FIXED_LENGTH before it has measured anything, then the best
+    fixed length for its measured acceptance and costs, never more than `length`; a schedule that does
+    not stop token by token drafts its `length`, and a paused one nothing."""
+    flat = Curve(lambda k: 0.1)
+    schedule = CostAwareSchedule(4, 16, per_token=True, verifier_costs=flat, step_seconds=0.01)
+    assert schedule.length() == 16 and schedule.fixed_length() == cost_aware.FIRST_FIXED_LENGTH
+    for _ in range(WARMUP_ROUNDS + 3):
+        _round(schedule, 4, 2, 0.04)  # about half of each draft accepted
+    best = best_length(min(schedule.acceptance_rate(), 0.999), schedule.seconds_per_token(),
+                       schedule.verification_seconds, 16)
+    assert 1 < best < 16 and schedule.fixed_length() == best
+    fixed = CostAwareSchedule(4, 16, per_token=False, verifier_costs=flat, step_seconds=0.01)
+    assert fixed.fixed_length() == fixed.length() == 4
+    assert ConstantSchedule(5).fixed_length() == 5 and HeuristicSchedule(3, 9).fixed_length() == 3
+    dear = CostAwareSchedule(4, 16, per_token=True, verifier_costs=Curve(lambda k: 0.1 * k), step_seconds=0.01)
+    assert dear.fixed_length() == 0
+
+
 def _round(schedule, length, accepted, proposing, verify=0.1):
     schedule.observe_proposal(length, proposing)
     schedule.observe_verification(length, accepted, verify)
