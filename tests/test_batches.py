@@ -22,7 +22,9 @@ from hf_polybasic.decoding.round import Verifier
 from hf_polybasic.drafters import PromptLookup
 from hf_polybasic.decoding.round import ModelDrafter
 from hf_polybasic.generation import make_generate
-from hf_polybasic.schedule import SCHEDULES
+from hf_polybasic.schedule import SCHEDULES, batch_gate
+from hf_polybasic.schedule.cost_aware import CostAwareSchedule
+from hf_polybasic.schedule.shape_gate import ShapeGate
 from hf_polybasic.testing import EOS, PAD, cheap_drafting_costs, prompt, simulated_machine
 
 CONFIG = hp.PolybasicConfig(num_draft_tokens=3, block_threshold=4, schedule="constant")
@@ -130,6 +132,125 @@ def test_rounds_decided_on_the_device_keep_a_batch_equal_to_plain_generate(
     DEVICE_ROUNDS[schedule] += middle.device_rounds
     if schedule == "constant" and budget >= 2:
         assert middle.device_rounds > 0, out.polybasic_stats
+
+
+def _host_and_device_rounds(target, assistants, ids, mask, config, **options):
+    """The same greedy call with the middle level's rounds read one by one on the host, then decided
+    on the device (`hf_polybasic.decoding.device_blocks`), static caches both times."""
+    outs = []
+    for waits in (False, True):
+        with mock.patch.object(levels_round, "reads_wait", lambda device: waits), warnings.catch_warnings(), \
+                simulated_machine(cheap_drafting_costs(target, assistants)) as simulated:
+            warnings.simplefilter("ignore")
+            outs.append(target.generate(ids, attention_mask=mask, cache_implementation="static", do_sample=False,
+                                        custom_generate=simulated, assistant_models=assistants, polybasic_config=config,
+                                        return_dict_in_generate=True, pad_token_id=PAD, **options))
+    host, device = outs
+    assert torch.equal(host.sequences, device.sequences)
+    assert host.polybasic_stats.levels[1].device_rounds == 0 and device.polybasic_stats.levels[1].device_rounds > 0
+    return host.polybasic_stats, device.polybasic_stats
+
+
+def _target_counts(stats):
+    top = stats.levels[0]
+    return top.verifications, top.drafted, top.accepted, top.acceptance_lengths
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_rounds_decided_on_the_device_count_what_the_host_loop_counts(rows, shared_models):
+    """A second oracle for the device rounds (greedy output equals plain generate whatever the middle
+    level proposes): with a constant K and mu the middle level runs the same rounds on the device as
+    the host loop does, so the target receives the same blocks (its counts are equal) and the middle
+    level counts the same verifications, all of them on the device; a row ends with an EOS the target
+    emits in the batch's last row."""
+    target, *assistants = shared_models.chain("llama", 3, seed=33)
+    prompts = [prompt(2 + 3 * row, seed=330 + row)[0] for row in range(rows)]
+    ids, mask = left_padded(prompts)
+    plain = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=40, eos_token_id=None,
+                            pad_token_id=PAD)
+    eos = [int(plain[-1, ids.shape[1] + 17])]
+    config = hp.PolybasicConfig(schedule="constant", num_draft_tokens=3, block_threshold=7)
+    host, device = _host_and_device_rounds(target, assistants, ids, mask, config, max_new_tokens=40, eos_token_id=eos)
+    assert _target_counts(device) == _target_counts(host)
+    assert device.levels[1].verifications == host.levels[1].verifications == device.levels[1].device_rounds
+
+
+def test_rounds_decided_on_the_device_stop_blocks_by_confidence_where_the_host_loop_does(shared_models, monkeypatch):
+    """The middle level's stops by confidence read back with a batch of device rounds: with a fixed mu
+    of 8, a stop after any token of probability <= 0.6 and the shape gate holding the chain in, its
+    blocks (a function of its own greedy tokens and their probabilities) are the host loop's, so the
+    target's counts are too, whatever the drafter drafted in either. One row: in a batch the two loops'
+    forwards have other widths, whose rounding can move a probability across the threshold."""
+    monkeypatch.setattr(CostAwareSchedule, "length", lambda self: min(self.maximum, 8))
+    monkeypatch.setattr(CostAwareSchedule, "keep_drafting", lambda self, confidence: confidence > 0.6)
+    monkeypatch.setattr(ShapeGate, "bypassed", property(lambda self: False, lambda self, value: None))
+    monkeypatch.setattr(ShapeGate, "dropped", property(lambda self: False))
+    monkeypatch.setattr(batch_gate, "PLAIN_FIRST_ROUNDS", 0)
+    target, *assistants = shared_models.chain("llama", 3, seed=34)
+    ids, mask = left_padded([prompt(5, seed=340)[0]])
+    host, device = _host_and_device_rounds(target, assistants, ids, mask, hp.PolybasicConfig(), max_new_tokens=40,
+                                           eos_token_id=None)
+    assert _target_counts(device) == _target_counts(host)
+    assert host.levels[0].verifications > 40 / 8  # blocks were cut by confidence
+
+
+def test_a_batch_of_device_rounds_is_what_the_mean_acceptance_says_one_more():
+    from hf_polybasic.decoding.device_blocks import MAX_ROUNDS, rounds_needed
+
+    assert rounds_needed(8, 2.0, 40) == 5 and rounds_needed(7, 2.0, 40) == 5
+    assert rounds_needed(8, None, 40) == 9 and rounds_needed(1, 0.5, 10) == 2  # a round emits a token at least
+    assert rounds_needed(8, None, 3) == 3  # never past the budget
+    assert rounds_needed(100, 1.0, 100) == MAX_ROUNDS and rounds_needed(0, 3.0, 5) == 1
+
+
+def test_a_round_that_closes_a_block_is_still_stopped_by_confidence_before_its_last_token():
+    """`IntermediateLevel._stop_within`: a round whose tokens reach the block's budget is asked about
+    every token but the one that closes the block (a stop there changes nothing); it asked about none,
+    so a long round that filled the block skipped the stop (seen with rounds decided on the device)."""
+    from hf_polybasic.decoding.protocol import Block
+    from hf_polybasic.decoding.round import IntermediateLevel
+
+    class Stops:
+        def __init__(self):
+            self.asked = []
+
+        def keep_drafting(self, confidence):
+            self.asked.append(confidence)
+            return confidence > 0.5
+
+    for confidences, size, asked in [([0.9, 0.1, 0.9], 2, [0.9, 0.1]), ([0.9, 0.9, 0.1], 3, [0.9, 0.9])]:
+        block, schedule = Block(frozenset(), budget=3), Stops()
+        block.extend(torch.tensor([4, 5, 6]), ids=[4, 5, 6])
+        IntermediateLevel._stop_within(schedule, block, 0, confidences)
+        assert block.size == size and schedule.asked == asked
+
+
+def test_the_cost_aware_schedule_caps_a_drafter_whose_drafts_never_pass(shared_models):
+    """A `Drafter` proposing as many tokens as it may, none of which the target takes: under the
+    cost-aware schedule its proposals are capped (its schedule's length is what `DrafterLevel` lets
+    it propose): 494 tokens in 60 rounds, where the rest of the budget each round would be 1770."""
+    from hf_polybasic.drafters import Drafter
+
+    class Wrong(Drafter):
+        def propose(self, sequence, max_new_tokens):
+            return torch.full((max_new_tokens,), PAD, dtype=torch.long), None  # the target never emits PAD here
+
+        def rollback_to(self, length):
+            pass
+
+        def commit(self):
+            pass
+
+    target, draft = shared_models.chain("llama", 2, seed=35)
+    ids = prompt(6, seed=350)
+    with simulated_machine(cheap_drafting_costs(target, [draft])) as simulated:
+        out = target.generate(ids, custom_generate=simulated, assistant_models=[Wrong()], do_sample=False,
+                              max_new_tokens=60, eos_token_id=None, pad_token_id=PAD, return_dict_in_generate=True)
+    assert torch.equal(out.sequences, target.generate(ids, do_sample=False, max_new_tokens=60, eos_token_id=None,
+                                                      pad_token_id=PAD))
+    top, bottom = out.polybasic_stats.levels
+    assert top.accepted == 0
+    assert bottom.proposed < 12 * top.verifications  # uncapped: 1770 in 60 rounds (the rest of the budget)
 
 
 DEVICE_ROUNDS = {schedule: 0 for schedule in SCHEDULES}

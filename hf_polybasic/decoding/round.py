@@ -454,9 +454,12 @@ class IntermediateLevel(Proposer):
     @staticmethod
     def _stop_within(schedule, block: Block, before: int, confidences: list[float]) -> bool:
         """Ask the schedule, token by token, whether to go on after each new token (its confidence:
-        this level's probability of it); on the first no, end the block right after that token."""
+        this level's probability of it); on the first no, end the block right after that token. The
+        token that closes the block (its budget, an EOS) is not asked about: the block ends there anyway."""
         for index, confidence in enumerate(confidences):
-            if not block.closed and not schedule.keep_drafting(confidence):
+            if block.closed and before + index + 1 == block.size:
+                break
+            if not schedule.keep_drafting(confidence):
                 block.truncate(before + index + 1)
                 return True
         return False
