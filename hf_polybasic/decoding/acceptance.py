@@ -122,3 +122,12 @@ def speculative_decision(
     next_token = torch.multinomial(next_distribution, 1, generator=generator)[0]
     return torch.stack([num_accepted, next_token])
 
+
+def emitted_tokens(drafts: torch.Tensor, accepted: torch.Tensor, own: torch.Tensor) -> torch.Tensor:
+    """What a verification emits at each position, on the device: the j-th draft while j <
+    ``accepted``, then the verifier's ``own`` token at every later position.
+
+    drafts: [..., k]; accepted: [...]; own: [..., 1] -> [..., k + 1].
+    """
+    positions = torch.arange(drafts.shape[-1] + 1, device=drafts.device)
+    return torch.where(positions < accepted.unsqueeze(-1), torch.cat([drafts, own], -1), own)

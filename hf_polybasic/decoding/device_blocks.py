@@ -44,6 +44,7 @@ from ..processing import PREFIX_FREE_PROCESSORS, process_positions
 from ..runners.static import StaticRunner, bucket
 from ..runners.transfer import upload
 from ..timing import timed
+from .acceptance import emitted_tokens
 from .protocol import Proposal
 
 # rounds of one batch at most, and the widest draft (a verification of w + 1 positions fits the widest width)
@@ -165,9 +166,8 @@ class DeviceBlocks:
                               for row in range(state.rows)])
         decided = torch.stack([verifier.decide(Proposal(drafts[row], None if probs is None else probs[row]), scores[row])
                                for row in range(state.rows)])  # [rows, 2]
-        accepted, own = decided[:, 0], decided[:, 1:]
-        positions = torch.arange(w + 1, device=state.device)
-        emitted = torch.where(positions < accepted.unsqueeze(1), torch.cat([drafts, own], 1), own)  # [rows, w + 1]
+        accepted = decided[:, 0]
+        emitted = emitted_tokens(drafts, accepted, decided[:, 1:])  # [rows, w + 1]
         confidences = None
         if verifier.confidences:
             confidences = scores.softmax(-1).gather(2, emitted.unsqueeze(2)).squeeze(2)  # [rows, w + 1]

@@ -57,7 +57,7 @@ from ..schedule import Schedule, ShapeGate
 from ..schedule.shape_gate import BYPASSED, DROPPED
 from ..stats import LevelStats
 from ..timing import DEFAULT_CLOCK, Clock, DeviceSpan, timed
-from .acceptance import greedy_decision, speculative_decision
+from .acceptance import emitted_tokens, greedy_decision, speculative_decision
 from .device_blocks import DeviceBlocks
 from .protocol import Block, Deferred, Level, Proposal, Runner
 
@@ -248,8 +248,7 @@ class Verifier:
             packed.append(decision.to(torch.float64))
             if deferred is not None or self.confidences:
                 drafts = proposals[row].tokens.to(decision.device)  # [k]
-                positions = torch.arange(drafts.shape[0] + 1, device=decision.device)
-                emitted[row] = torch.where(positions < decision[0], torch.cat([drafts, decision[1:]]), decision[1])
+                emitted[row] = emitted_tokens(drafts, decision[0], decision[1:])  # [k + 1]
             if deferred is not None:
                 packed.append(emitted[row].to(torch.float64))  # [k + 1]
             if self.confidences:
