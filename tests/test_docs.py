@@ -12,6 +12,7 @@ import os
 import re
 import subprocess
 import sys
+import traceback
 from pathlib import Path
 
 import pytest
@@ -90,7 +91,12 @@ def test_docs_page_code_runs(page: Path):
     namespace: dict = {"__name__": f"docs_{page.stem}"}
     for line, code in blocks:
         # pad with newlines so tracebacks point at the line in the .md file
-        exec(compile("\n" * (line - 1) + code, str(page), "exec"), namespace)
+        try:
+            exec(compile("\n" * (line - 1) + code, str(page), "exec"), namespace)
+        except Exception as error:  # name the page's line in the one-line summary CI keeps
+            frames = [frame.lineno for frame in traceback.extract_tb(error.__traceback__) if frame.filename == str(page)]
+            where = f"{page.relative_to(ROOT)}:{frames[-1] if frames else line}"
+            raise AssertionError(f"{where}: {type(error).__name__}: {error}") from error
 
 
 @pytest.mark.parametrize("script", EXAMPLE_SCRIPTS, ids=[p.name for p in EXAMPLE_SCRIPTS])

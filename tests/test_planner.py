@@ -71,10 +71,12 @@ def test_interpolate_cost_is_linear_and_extrapolates_from_the_last_two_points():
     assert interpolate_cost(points, 2) == 1.5
     assert interpolate_cost(points, 5) == 3.0
     assert interpolate_cost({1: 0.25}, 12) == 0.25
-    # a longer forward never costs less: the noisy 16-token point is pooled with the 8-token one
-    assert nondecreasing([1.0, 2.0, 1.9]) == pytest.approx([1.0, 1.95, 1.95])
-    assert nondecreasing([3.0, 1.0, 2.0, 5.0]) == [2.0, 2.0, 2.0, 5.0]
-    assert interpolate_cost({1: 1.0, 8: 2.0, 16: 1.9}, 30) == pytest.approx(1.95)
+    # a longer forward never costs less, and timing noise only slows: the 16-token point bounds the 8-token one
+    assert nondecreasing([1.0, 2.0, 1.9]) == [1.0, 1.9, 1.9]
+    assert nondecreasing([3.0, 1.0, 2.0, 5.0]) == [1.0, 1.0, 2.0, 5.0]
+    assert interpolate_cost({1: 1.0, 8: 2.0, 16: 1.9}, 30) == pytest.approx(1.9)
+    # one preempted timing (seen in CI under load: T(4) 10x too slow) does not slow its neighbours
+    assert nondecreasing([0.0005, 0.0536, 0.0050]) == [0.0005, 0.0050, 0.0050]
 
 
 def test_predict_two_models_exact_arithmetic():

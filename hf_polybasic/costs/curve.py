@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -10,19 +11,19 @@ CALIBRATION_CONTEXT = 64
 
 
 def nondecreasing(values: Sequence[float]) -> list[float]:
-    """The least-squares nondecreasing fit of ``values`` (isotonic regression, pool adjacent violators).
+    """The lower nondecreasing envelope of ``values``: each becomes the least of it and every later one.
 
-    Forward costs grow with the tokens fed; a measured decrease is noise, which this spreads over
-    its neighbours instead of letting it make a longer forward look cheaper.
+    Forward costs grow with the tokens fed, and noise on a timing is one-sided: preemption or another
+    process on the core only ever makes a forward look slower. So where a longer forward measured
+    cheaper than a shorter one, the shorter one was slowed, and the longer one bounds it. (A
+    least-squares fit spread one preempted timing over its neighbours instead: a profile's T(4)
+    measured 10x too slow made T(8) 5x too slow, and every chain looked slower than plain decoding.)
     """
-    blocks: list[list[float]] = []  # [sum, count] of pooled runs
-    for value in values:
-        blocks.append([float(value), 1.0])
-        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
-            total, count = blocks.pop()
-            blocks[-1][0] += total
-            blocks[-1][1] += count
-    return [total / count for total, count in blocks for _ in range(int(count))]
+    envelope, least = [], math.inf
+    for value in reversed(values):
+        least = min(least, float(value))
+        envelope.append(least)
+    return envelope[::-1]
 
 
 def interpolate_cost(points: Mapping[int, float], k: float) -> float:

@@ -147,7 +147,8 @@ class CostCurves:
                        for k in curve.points}
             ks = sorted(curve.points)
             smooth = dict(zip(ks, nondecreasing([curve.points[k] for k in ks])))
-            curve.points = {k: smooth[k] * factors[k] for k in ks}
+            # scaled by their own factors, neighbours can cross: the stored points stay nondecreasing
+            curve.points = dict(zip(ks, nondecreasing([smooth[k] * factors[k] for k in ks])))
             curve.observations += estimate.observed
             if max(abs(math.log(f)) for f in factors.values()) > 0.05:
                 self._save(key, curve)
