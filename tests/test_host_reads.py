@@ -16,7 +16,7 @@ from torch.overrides import TorchFunctionMode
 import hf_polybasic as hp
 from hf_polybasic.decoding import round as levels_round
 from hf_polybasic.decoding.round import next_width
-from hf_polybasic.schedule.shape_gate import BYPASSED, DROPPED, OUT_ROUNDS, ShapeGate
+from hf_polybasic.schedule.shape_gate import BYPASSED, DROPPED, IN, OUT_ROUNDS, ShapeGate
 from hf_polybasic.testing import PAD, cheap_drafting_costs, prompt, simulated_machine
 
 READS = {"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "nonzero", "cpu", "numpy", "equal"}
@@ -167,7 +167,7 @@ def test_a_two_level_round_waits_for_the_device_once(schedule, rows, static, gpu
     assert waits.count <= rounds + 4, (rounds, waits.where, waits.names)
 
 
-@pytest.mark.parametrize("shape", ["full", BYPASSED, DROPPED])
+@pytest.mark.parametrize("shape", [IN, BYPASSED, DROPPED])
 @pytest.mark.parametrize("rows", [1, 4])
 def test_a_three_level_round_waits_for_the_device_at_most_twice(rows, shape, gpu_rules, shared_models, monkeypatch):
     """[middle, drafter] under a GPU's rules and the default config, one row or a left-padded batch
@@ -175,23 +175,23 @@ def test_a_three_level_round_waits_for_the_device_at_most_twice(rows, shape, gpu
     rounds on the device and reads once per batch of them (`hf_polybasic.decoding.device_blocks`:
     the rounds its blocks need, as its mean acceptance length says), the target reads its decision
     once; in the rounds where the shape gate lets a level sit out, the target's read takes the
-    drafts with it. ``shape``: the shape the gates start in, for their first rounds."""
-    if shape != "full":
-        start = ShapeGate.__init__
+    drafts with it. ``shape``: the shape the gates start in, for their first rounds (also the in
+    shape: a gate goes on with what an earlier call of its chain measured, `ShapeGate.keep`)."""
+    start = ShapeGate.__init__
 
-        def at_once(self, *args, **kwargs):
-            start(self, *args, **kwargs)
-            self.shape, self._left = shape, OUT_ROUNDS
+    def at_once(self, *args, **kwargs):
+        start(self, *args, **kwargs)
+        self.shape, self._left = shape, OUT_ROUNDS
 
-        monkeypatch.setattr(ShapeGate, "__init__", at_once)
+    monkeypatch.setattr(ShapeGate, "__init__", at_once)
     target, middle, draft = shared_models.chain("llama", 3, seed=80)
     config = hp.PolybasicConfig(compile=True)
     waits, stats = _waits(target, [middle, draft], rows, config, cache_implementation="static")
     top, middle_level, bottom = stats.levels
     assert top.drafted > 0 and top.accepted > 0 and middle_level.runner == "static"
-    sat_out = {"full": 0, BYPASSED: middle_level.bypassed_rounds, DROPPED: bottom.dropped_rounds}[shape]
-    assert sat_out > 0 or shape == "full"
-    if shape == "full":
+    sat_out = {IN: 0, BYPASSED: middle_level.bypassed_rounds, DROPPED: bottom.dropped_rounds}[shape]
+    assert sat_out > 0 or shape == IN
+    if shape == IN:
         assert middle_level.device_rounds > 0 and middle_level.accepted > 0
     assert waits.count <= 2 * top.forward_passes + 4, (waits.where, waits.names)
 

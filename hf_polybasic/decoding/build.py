@@ -122,6 +122,7 @@ class Chain:
         if self.row_schedules is not None:
             self.row_schedules.keep_learned()
         for index, shape in self.shape_gates.items():
+            shape.keep()
             level, below = self.stats.levels[index], self.stats.levels[index + 1]
             level.bypassed_rounds, below.dropped_rounds = shape.bypassed_rounds, shape.dropped_rounds
             if shape.verdict is not None:

@@ -37,8 +37,9 @@ the rounds it ran, `evidence`, rather than on none).
 
 The measurements are decayed sums (recent rounds weigh more: the text changes within a call), and
 they outlive the call: a later call of the same three models (`remembered`) starts from them, in the
-shape of the last verdict, and probes the other after a first stretch, so the measuring rounds of
-short calls are paid once, not at every call. Lossless: the level above verifies whatever it is
+shape of the last verdict, and probes the others after a first stretch; a call that ended before the
+first verdict leaves its measuring phase to the next call (`ShapeGate.keep`), so calls shorter than
+the first measurements share one measuring, paid once, not at every call. Lossless: the level above verifies whatever it is
 handed; a bypassed round is two-level speculative decoding with the same drafter, a dropped one with
 the middle model drafting (each reporting the distribution its drafts were drawn from).
 """
@@ -175,16 +176,19 @@ class ShapeGate:
         self._last = dict.fromkeys(self.shapes, -1)  # the round each shape last ran in
         self._round = 0
         known = None if models is None else remembered.get(models)
-        if known is not None and known["shape"] in self.shapes:
-            # a later call of the same chain: the last verdict's shape, for a first stretch
-            for shape, sums in known["sums"].items():
-                if shape in self.sums:
-                    self.sums[shape] = copy.copy(sums)
-            self._previous = known["shape"]
-            self.shape, self._left, self._probing = known["shape"], FIRST_STRETCH, False
-            self._visited = {shape for shape in self.shapes if self.sums[shape].rounds > 0} | {self.shape}
+        phase = None if known is None else known.get("measuring", known.get("shape"))
+        if phase in self.shapes:  # a later call of the same three models (`_remember`)
+            for name in ("sums", "uncalibrated"):
+                getattr(self, name).update({s: copy.copy(sums) for s, sums in known[name].items() if s in self.shapes})
             self._round = known["round"]
-            self._last.update({shape: last for shape, last in known["last"].items() if shape in self._last})
+            self._last.update({s: last for s, last in known["last"].items() if s in self._last})
+            if "measuring" in known:  # its calls so far ended before the first verdict: go on measuring
+                self.shape, self._left, self._extended = phase, known["left"], known["extended"]
+                self._visited = {s for s in known["visited"] if s in self.shapes}
+            else:  # the last verdict's shape, for a first stretch
+                self._previous = phase
+                self.shape, self._left, self._probing = phase, FIRST_STRETCH, False
+                self._visited = {s for s in self.shapes if self.sums[s].rounds > 0} | {phase}
         self.bypassed_rounds = self.dropped_rounds = 0
         self.probe_rounds = dict.fromkeys(self.shapes, 0)
         self.verdict = None
@@ -196,27 +200,10 @@ class ShapeGate:
     def bypassed(self) -> bool:
         return self.shape == BYPASSED
 
-    @bypassed.setter
-    def bypassed(self, value: bool) -> None:
-        self.shape = BYPASSED if value else IN
-
     @property
     def dropped(self) -> bool:
         """Whether the drafter is dropped this round (the middle level drafts on its own)."""
         return self.shape == DROPPED
-
-    @property
-    def inside(self) -> ShapeSums:
-        return self.sums[IN]
-
-    @property
-    def outside(self) -> ShapeSums:
-        return self.sums[BYPASSED]
-
-    @property
-    def direct(self) -> ShapeSums:
-        """The dropped shape's sums (the middle level drafting straight to the level above)."""
-        return self.sums[DROPPED]
 
     def observe(self, rows: int, emitted: int, drafted: int, drafter_forwards: int,
                 middle: tuple[int, int, int] = (0, 0, 0), uncalibrated: bool = False) -> None:
@@ -261,10 +248,25 @@ class ShapeGate:
         shape = self.decide()
         self._stretch = min(2 * self._stretch, MAX_STRETCH) if shape == self._previous else FIRST_STRETCH
         self._previous = shape
-        if self.models is not None:
-            remembered.put(self.models, {"sums": {s: copy.copy(sums) for s, sums in self.sums.items()}, "shape": shape,
-                                         "round": self._round, "last": dict(self._last)})
+        self._remember(shape=shape)
         self._enter(shape, self._stretch, probing=False)
+
+    def keep(self) -> None:
+        """At the end of a call that ended before the gate's first verdict (none this call, none
+        remembered): remember how far its first measurements got, so that the next call of the same
+        chain goes on from there instead of measuring every shape again (a call shorter than the
+        measuring would otherwise never reach a verdict). After a verdict, what `observe` remembered
+        at it stands."""
+        if self._previous is None:
+            self._remember(measuring=self.shape, left=self._left, extended=self._extended, visited=sorted(self._visited))
+
+    def _remember(self, **phase) -> None:
+        """Keep the measurements, when each shape last ran, and ``phase`` (the verdict's ``shape``, or
+        where the first measuring got to) for a later call of the same three models."""
+        if self.models is not None:
+            remembered.put(self.models, {"sums": {s: copy.copy(sums) for s, sums in self.sums.items()},
+                                         "uncalibrated": {s: copy.copy(sums) for s, sums in self.uncalibrated.items()},
+                                         "round": self._round, "last": dict(self._last), **phase})
 
     def evidence(self, shape: str) -> ShapeSums:
         """A shape's sums for a verdict: its calibrated rounds, or where it has none, the rounds left
