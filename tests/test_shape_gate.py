@@ -144,6 +144,51 @@ def test_calls_shorter_than_the_first_measurements_share_one_measuring():
     assert not ShapeGate(FLAT, others).bypassed
 
 
+def _course(gate_for, rounds: int, split: int | None) -> list[tuple]:
+    """Each round's shape, the gate's verdicts so far and its latest Lemma 3.1 times, over ``rounds``
+    rounds of one call, or of two calls split after round ``split`` (the first gate kept, a second
+    made for the same models). Round i (counted over both calls) is left out of the sums
+    (uncalibrated) in the in shape's first measuring and where i % 5 == 0, and the blocks and drafts
+    change with i, so every measurement the gate carries shows in its verdicts."""
+    gate, course = gate_for(), []
+    for i in range(rounds):
+        if i == split:
+            gate.keep()
+            gate = gate_for()
+        uncalibrated, extra = (gate.shape == IN and i < 12) or i % 5 == 0, i % 3
+        course.append((gate.shape, gate.decisions, tuple(sorted(gate.times.items()))))
+        if gate.shape == IN:
+            gate.observe(1, 3 + extra, 2 + extra, 4, (2, 5 + extra, 4), uncalibrated)
+        else:
+            gate.observe(1, *((3, 3, 3) if gate.shape == BYPASSED else (4 + extra, 3, 3)), (0, 0, 0), uncalibrated)
+    return course
+
+
+def test_splitting_a_call_before_the_first_verdict_does_not_change_the_gates_course():
+    """Two calls split anywhere before the first verdict run the gate as one call of their rounds
+    would: the measuring phase, the rounds it added for rounds left out, the sums (counted and left
+    out), all carry over. A call that starts after a verdict starts a first stretch in the verdict's
+    shape, then probes the shape that ran longest ago, counted over the calls before."""
+    costs = (lambda k: 1.0, lambda k: 0.3, lambda k: 0.02)
+    models = tuple(torch.nn.Linear(1, 1) for _ in range(3))
+    whole = _course(lambda: ShapeGate(costs, drops=True), 80, None)
+    shapes = [shape for shape, _, _ in whole]
+    first_verdict = next(i for i, (_, decisions, _) in enumerate(whole) if decisions)
+    # the in shape's phase ran EXTRA_ROUNDS longer for its rounds left out; a bypassed round was left out
+    assert shapes[:first_verdict] == [IN] * (IN_ROUNDS + EXTRA_ROUNDS) + [BYPASSED] * 4 + [DROPPED] * 4
+    for split in range(1, first_verdict):
+        shape_gate.remembered = shape_gate._Memory()
+        assert _course(lambda: ShapeGate(costs, models, drops=True), 80, split) == whole, split
+    # the second verdict (round 33) picks the dropped shape after a probe of the in shape. A later call
+    # (from round 36) probes after its first stretch the shape that ran longest ago, the bypassed one;
+    # after its second (kept: twice as long), the in shape, last run in the first call (rounds count
+    # over the calls)
+    assert shapes[30:34] == [IN] * 3 + [DROPPED] and whole[34][1] == 2
+    shape_gate.remembered = shape_gate._Memory()
+    later = [shape for shape, _, _ in _course(lambda: ShapeGate(costs, models, drops=True), 75, 36)]
+    assert later[36:] == [DROPPED] * FIRST_STRETCH + [BYPASSED] * PROBE_ROUNDS + [DROPPED] * 2 * FIRST_STRETCH + [IN]
+
+
 def test_short_calls_of_a_chain_whose_middle_level_does_not_pay_come_to_bypass_it():
     """End to end on the costly-middle machine: calls of 6 tokens (3 target rounds) end before a first
     verdict. Kept between calls, the measuring of the three shapes ends within 7 calls and later calls
