@@ -39,9 +39,10 @@ The measurements are decayed sums (recent rounds weigh more: the text changes wi
 they outlive the call: a later call of the same three models (`remembered`) starts from them, in the
 shape of the last verdict, and probes the others after a first stretch; a call that ended before the
 first verdict leaves its measuring phase to the next call (`ShapeGate.keep`), so calls shorter than
-the first measurements share one measuring, paid once, not at every call. Lossless: the level above verifies whatever it is
-handed; a bypassed round is two-level speculative decoding with the same drafter, a dropped one with
-the middle model drafting (each reporting the distribution its drafts were drawn from).
+the first measurements share one measuring, paid once, not at every call. Lossless: the level above
+verifies whatever it is handed; a bypassed round is two-level speculative decoding with the same
+drafter, a dropped one with the middle model drafting (each reporting the distribution its drafts
+were drawn from).
 """
 
 from __future__ import annotations
