@@ -4,6 +4,7 @@ profiles, and profile -> plan -> generate on tiny random models (no timing is as
 from __future__ import annotations
 
 import json
+import warnings
 
 import pytest
 import torch
@@ -407,3 +408,28 @@ def test_plan_command_validates_tiny_models_end_to_end(tmp_path, capsys):
     assert 0 < record["planner"]["ratio"] <= 1.0 + 1e-9
     assert Profile.load(out / "profile.json").order[0] == "target"
     assert "Table 1" in (out / "validation.md").read_text()
+
+
+def test_a_profile_says_when_a_timing_was_slowed(tiny_pool, monkeypatch):
+    """A forward measured over twice a longer forward's time of the same model was slowed by something
+    else on the machine (CI's installs made a target's T(4) 10x its T(8)): the plan prices it at the
+    longer forward's cost, and `profile` says so, naming the timing and how to get steadier ones."""
+    from hf_polybasic.planning import measure
+    from hf_polybasic.planning.measure import slowed_timings
+
+    found = slowed_timings({"target": {1: 0.0005, 4: 0.0536, 8: 0.005}, "lookup": {1: 2e-5}})
+    assert found == [("target", 4, 8, pytest.approx(10.72))]
+    assert slowed_timings({"target": {1: 1.0, 4: 1.9, 8: 1.0, 16: 2.0}}) == []  # within 2x: noise the envelope takes
+    assert slowed_timings({"m": {1: 3.0, 4: 1.4, 8: 1.2}}) == [("m", 1, 8, pytest.approx(2.5))]  # the least longer one
+    target = tiny_pool[0]
+    measured = measure.forward_cost
+    monkeypatch.setattr(measure, "forward_cost", lambda model, prefix, k, repeats: measured(model, prefix, k, repeats)
+                        * (50 if model is target and k == 1 else 1))
+    with pytest.warns(UserWarning, match=r"hp.profile: .*\(target: T\(1\) \d+\.\dx T\(4\)\).*repeats=1.*repeats=5") as said:
+        _greedy_profile(tiny_pool)
+    assert next(w for w in said if "hp.profile" in str(w.message)).filename == __file__  # at the user's line
+    # the control: steady timings (a forward costs what its tokens do) say nothing
+    monkeypatch.setattr(measure, "forward_cost", lambda model, prefix, k, repeats: 0.001 * (1 + k / 8))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="hp.profile")
+        _greedy_profile(tiny_pool)

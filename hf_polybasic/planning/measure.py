@@ -22,6 +22,7 @@ from ..costs import forward_cost
 from ..drafters import Drafter
 from ..processing import process_positions
 from ..timing import timed
+from ..user_warnings import warn
 from .acceptance import is_int
 from .profile_data import DRAFTER, MODEL, TARGET, Profile, cost_order
 
@@ -180,6 +181,7 @@ def profile(
     kinds = {label: DRAFTER if isinstance(m, Drafter) else MODEL for label, m in models.items()}
     readings, propose_seconds = _read_levels(models, sequences, decoding, max_new_tokens, progress)
     costs = _measure_costs(models, sequences[0][0], sizes, repeats, propose_seconds, progress)
+    _warn_slowed_timings(costs, repeats)
     agreement, overlaps = _pair_tables(cost_order(kinds, costs), kinds, readings, decoding["do_sample"])
     drafters = [label for label, kind in kinds.items() if kind == DRAFTER]
     proposal_lengths = {label: [r[label].lengths for r in readings] for label in drafters}
@@ -258,6 +260,36 @@ def _measure_costs(models, prefix, sizes, repeats, propose_seconds, progress) ->
             bar.update()
     bar.close()
     return costs
+
+
+# a forward measured this many times slower than a longer forward of the same model was slowed by
+# something else on the machine (a longer forward never costs less)
+SLOWED = 2.0
+
+
+def slowed_timings(costs: Mapping[str, Mapping[int, float]]) -> list[tuple[str, int, int, float]]:
+    """``(label, k, longer, ratio)`` for every measured T(k) over SLOWED times a longer forward's
+    T(longer) of the same model (the longer forward with the least time)."""
+    found = []
+    for label, points in costs.items():
+        ks = sorted(points)
+        for i, k in enumerate(ks[:-1]):
+            longer = min(ks[i + 1 :], key=points.get)
+            if points[k] > SLOWED * points[longer]:
+                found.append((label, k, longer, points[k] / points[longer]))
+    return found
+
+
+def _warn_slowed_timings(costs, repeats: int) -> None:
+    """Say where a timing was slowed: the plan prices that forward at the longer one's cost (the
+    lower envelope, `hf_polybasic.costs.nondecreasing`), but the machine was busy while profiling."""
+    slowed = slowed_timings(costs)
+    if slowed:
+        listed = "; ".join(f"{label}: T({k}) {ratio:.1f}x T({longer})" for label, k, longer, ratio in slowed)
+        warn(f"hp.profile: some forwards measured over twice as slow as a longer forward of the same model ({listed}), "
+             f"so something else ran on this machine while it profiled (repeats={repeats}, the median kept). The "
+             "plan prices each at the longer forward's cost; for steadier costs profile again on an idle "
+             "machine, with repeats=5 or more", UserWarning)
 
 
 def _pair_tables(order, kinds, readings, sampling: bool):
