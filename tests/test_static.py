@@ -216,16 +216,30 @@ def test_models_the_static_runner_refuses_are_named_once_per_kind_and_reason(com
 
 
 def test_a_hooked_model_runs_static_uncompiled_with_a_warning():
+    """A model with forward hooks runs on a static cache, uncompiled, said once per model kind and
+    hooked module: a later call with the same hook says nothing, a hook on another module is said."""
     target, m2 = tiny_chain("llama", depth=2, seed=3)
     counted = []
     handle = target.register_forward_pre_hook(lambda module, args: counted.append(1))
     ids = prompt(6, seed=15)
-    with pytest.warns(UserWarning, match=r"runs target M1 LlamaForCausalLM on a static cache, uncompiled: it has forward"):
-        out = _greedy(target, [m2], ids, polybasic_config=hp.PolybasicConfig(compile=True, schedule="constant"))
-    handle.remove()
+    config = hp.PolybasicConfig(compile=True, schedule="constant")
+    with pytest.warns(UserWarning, match=r"runs target M1 LlamaForCausalLM on a static cache, uncompiled: it has forward"
+                                         r" hooks \(LlamaForCausalLM:"):
+        out = _greedy(target, [m2], ids, polybasic_config=config)
     assert torch.equal(out.sequences, target.generate(ids, do_sample=False, max_new_tokens=30))
     assert [level.runner for level in out.polybasic_stats.levels] == ["static", "static, compiled"]
     assert len(counted) >= out.polybasic_stats.levels[0].forward_passes
+    for hooked, said in [(target, False), (target.lm_head, True)]:
+        handle.remove()
+        handle = hooked.register_forward_hook(lambda module, args, output: counted.append(1))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            out = _greedy(target, [m2], ids, polybasic_config=config)
+        runs = [str(w.message) for w in caught if str(w.message).startswith("hf_polybasic runs")]
+        assert runs == ([f"hf_polybasic runs target M1 LlamaForCausalLM on a static cache, uncompiled: it has forward"
+                         " hooks (lm_head: Python run at every forward, e.g. accelerate's or a counter's)"] if said else [])
+        assert out.polybasic_stats.levels[0].runner == "static"
+    handle.remove()
 
 
 def test_a_prefilled_static_cache_is_refused():
