@@ -6,7 +6,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test test-quant4 test-matrix test-torch-floor test-torch-newest quant4 mutation gpu-check docs serve-docs clean
+.PHONY: demo test test-quant4 test-matrix test-torch test-torch-floor test-torch-newest quant4 mutation gpu-check docs serve-docs clean
 # the install stamps are files; a test-transformers-<release> run is not
 .PRECIOUS: .matrix/transformers-%/.installed
 
@@ -47,15 +47,19 @@ $(QUANT4)/.installed: pyproject.toml $(VENV)/.installed
 # them time real forwards) but beside the bands' installs (downloads and unpacking, mostly I/O, on
 # the core the single-threaded suite leaves idle; their log: .matrix/installs.log); then the runs
 # below, two at a time (the 2 cores of CI; each pytest uses one thread), each with a subset chosen
-# to keep `make test` within about 15 minutes from a clean clone (docs/compatibility.md):
+# to keep `make test` within about 20 minutes from a clean clone (docs/compatibility.md):
 # - test-quant4: the nf4 tests (and the costs table's nf4 row), with the quant4 extra on PYTHONPATH;
 # - test-matrix: one release of every band where the internals we touch changed, each installed
 #   beside .venv in .matrix/ (pure-Python wheels, seconds) and put first on PYTHONPATH;
-# - test-torch-floor: the lowest torch pyproject.toml admits, on the .venv's transformers, installed
-#   the same way (PyPI's CUDA build with its NVIDIA libraries, about 4.6 GB; it runs on the CPU);
-# - test-torch-newest: the newest torch release (requirements/torch-newest.txt), the same way (about
-#   5.3 GB), while the .venv keeps 2.13.0.
-BAND_INSTALLS = $(TORCH_FLOOR_DIR)/.installed $(TORCH_NEWEST_DIR)/.installed $(QUANT4)/.installed \
+# - test-torch: the two torch bands one after the other, each removed once its tests pass (PyPI's
+#   CUDA builds with their NVIDIA libraries: about 4.6 and 5.3 GB installed, and their downloads
+#   while pip unpacks; two at once and left behind, a CI run once filled its disk), so `make test`
+#   needs about $(TORCH_ROOM_GB) GB free beside .venv and leaves under 2 GB in .matrix:
+#   - test-torch-floor: the lowest torch pyproject.toml admits, on the .venv's transformers,
+#     installed the same way (it runs on the CPU);
+#   - test-torch-newest: the newest torch release (requirements/torch-newest.txt), the same way,
+#     while the .venv keeps 2.13.0.
+BAND_INSTALLS = $(TORCH_FLOOR_DIR)/.installed $(QUANT4)/.installed \
 	$(foreach release,$(MATRIX_RELEASES),.matrix/transformers-$(release)/.installed)
 test: $(VENV)/.installed
 	@mkdir -p .matrix
@@ -63,7 +67,19 @@ test: $(VENV)/.installed
 	$(BIN)/python -m pytest -q; suite=$$?; \
 	wait $$installs || { echo "== the bands' installs failed:"; cat .matrix/installs.log; exit 1; }; \
 	exit $$suite
-	$(MAKE) --no-print-directory -j2 --output-sync=target test-torch-floor test-torch-newest test-matrix test-quant4
+	$(MAKE) --no-print-directory -j2 --output-sync=target test-torch test-matrix test-quant4
+
+test-torch:
+	$(MAKE) --no-print-directory test-torch-floor
+	rm -rf $(TORCH_FLOOR_DIR)
+	$(MAKE) --no-print-directory test-torch-newest
+	rm -rf $(TORCH_NEWEST_DIR)
+
+# Before a torch band's install: at least $(TORCH_ROOM_GB) GB free on the disk of .matrix (the larger band
+# installed, 5.3 GB, and pip's downloads of it beside it), or a clear stop naming what to free
+TORCH_ROOM_GB := 9
+ROOM_FOR_TORCH = free=$$(df -Pk . | awk 'NR == 2 {print int($$4 / 1048576)}'); [ $$free -ge $(TORCH_ROOM_GB) ] || { \
+	echo "make: torch $(1) (PyPI's CUDA build, about 5 GB with its download) needs $(TORCH_ROOM_GB) GB free on this disk; df says $$free GB. Free some (old clones' .matrix/ hold about 5 GB each), then run make test again"; exit 1; }
 
 QUANT4_TESTS := tests/test_four_bit.py tests/test_machine_aware.py::test_the_costs_command_measures_every_variant_and_writes_its_table
 test-quant4: $(QUANT4)/.installed
@@ -107,6 +123,7 @@ TORCH_FLOOR := 2.11.0
 TORCH_FLOOR_DIR := .matrix/torch-$(TORCH_FLOOR)
 $(TORCH_FLOOR_DIR)/.installed: | $(VENV)/.installed
 	rm -rf $(@D)
+	@$(call ROOM_FOR_TORCH,$(TORCH_FLOOR))
 	$(BIN)/pip install --quiet --no-warn-conflicts --target $(@D) torch==$(TORCH_FLOOR)
 	touch $@
 
@@ -125,6 +142,7 @@ TORCH_NEWEST_TESTS := tests/test_static.py tests/test_int4.py tests/test_oracle.
 $(TORCH_NEWEST_DIR)/.installed: requirements/torch-newest.txt | $(VENV)/.installed
 	grep -qx 'torch==$(TORCH_NEWEST)' $< || { echo "$< does not pin torch==$(TORCH_NEWEST) (TORCH_NEWEST)"; exit 1; }
 	rm -rf $(@D)
+	@$(call ROOM_FOR_TORCH,$(TORCH_NEWEST))
 	$(BIN)/pip install --quiet --no-warn-conflicts --target $(@D) -r $<
 	touch $@
 
