@@ -79,7 +79,7 @@ test-torch:
 # installed, 5.3 GB, and pip's downloads of it beside it), or a clear stop naming what to free
 TORCH_ROOM_GB := 9
 ROOM_FOR_TORCH = free=$$(df -Pk . | awk 'NR == 2 {print int($$4 / 1048576)}'); [ $$free -ge $(TORCH_ROOM_GB) ] || { \
-	echo "make: torch $(1) (PyPI's CUDA build, about 5 GB with its download) needs $(TORCH_ROOM_GB) GB free on this disk; df says $$free GB. Free some (old clones' .matrix/ hold about 5 GB each), then run make test again"; exit 1; }
+	echo "make: torch $(1) (PyPI's CUDA build: about 5 GB installed, 8 GB while pip unpacks its download) needs $(TORCH_ROOM_GB) GB free on this disk; df says $$free GB. Free some (an old clone's .matrix/ holds up to 12 GB), then run make test again"; exit 1; }
 
 QUANT4_TESTS := tests/test_four_bit.py tests/test_machine_aware.py::test_the_costs_command_measures_every_variant_and_writes_its_table
 test-quant4: $(QUANT4)/.installed
