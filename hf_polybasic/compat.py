@@ -810,3 +810,38 @@ def onednn_pack_weight(weight: torch.Tensor) -> torch.Tensor:
 def onednn_linear(inputs: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``inputs @ weight.T + bias`` with a weight packed by `onednn_pack_weight`; inputs ``[rows, in]``."""
     return torch.ops.mkldnn._linear_pointwise(inputs, packed, bias, "none", [], "")
+
+
+# --- trained draft heads ---------------------------------------------------------------------------------
+try:  # transformers >= 5.14: a model's native multi-token-prediction layers as a module of their own
+    from transformers.modeling_layers import MtpModel as _MtpModel
+except ImportError:  # pragma: no cover - older releases
+    _MtpModel = None
+MTP_SINCE = "5.14"
+
+
+def mtp_model_class():
+    """transformers' `MtpModel`, or None where the release lacks it (before `MTP_SINCE`)."""
+    return _MtpModel
+
+
+def causal_mask(config, inputs_embeds: torch.Tensor, attention_mask, cache, position_ids: torch.Tensor):
+    """transformers' own causal mask for a decoder layer of ``config`` (a 4-D mask given is returned as
+    it is, a 2-D one over the cache's slots and the new tokens applied), as the releases with `MtpModel`
+    (>= `MTP_SINCE`) take its arguments: config, embeddings, mask, cache, positions."""
+    from transformers.masking_utils import create_causal_mask
+
+    return create_causal_mask(config, inputs_embeds, attention_mask, cache, position_ids)
+
+
+def layer_cache_kwargs(cache) -> dict:
+    """``cache`` under the keyword a decoder layer takes it by: ``cache`` (>= 5.24), ``past_key_values`` (before)."""
+    return {"cache" if CACHE_IS_CALLED_CACHE else "past_key_values": cache}
+
+
+def is_output_capturing_hook(hook) -> bool:
+    """Whether ``hook`` is one transformers (>= 5.0) leaves on a model's layers the first time hidden states
+    are asked of it: it records outputs only while a forward asked for them (``output_hidden_states``) and
+    does nothing otherwise, so a compiled forward traces through it."""
+    return getattr(hook, "__name__", "") == "output_capturing_hook" and getattr(hook, "__module__", "").startswith(
+        "transformers.")

@@ -14,6 +14,7 @@ import contextlib
 import torch
 
 from .attention import attention_for
+from .features import FeatureStore
 from ..timing import DEFAULT_CLOCK, Clock, ForwardTimer, cuda_devices
 from ..vocabulary import input_vocabulary_size
 
@@ -59,6 +60,7 @@ class RunnerBase:
     """
 
     states = None  # set by a runner whose model has recurrent layers (`CachedModel`, one row)
+    features: FeatureStore | None = None  # set by `capture_features`: a draft head below reads them
 
     def __init__(self, model: torch.nn.Module, role: str, vocab_limit: int | None, clock: Clock = DEFAULT_CLOCK,
                  rows: int = 1, first: int = 0):
@@ -77,6 +79,47 @@ class RunnerBase:
         self._timer = ForwardTimer(self.device, clock, self.cuda_devices)
         # forwards of changing shapes: attention kernels that plan per shape (cuDNN) are left out on a GPU
         self._attention = attention_for(self.device, fixed_shapes=False)
+
+    def capture_features(self, layers: tuple[int, ...]) -> FeatureStore:
+        """From now on every forward also keeps the hidden states ``layers`` selects (indices into
+        transformers' ``output_hidden_states`` tuple) at the positions it feeds, rolled back with the
+        cache (`hf_polybasic.runners.features`); returns the store a draft head reads."""
+        if self.features is None:
+            self.features = FeatureStore(layers)
+        elif self.features.layers != tuple(layers):
+            raise ValueError(f"{self.role} already feeds a draft head the hidden states of layers "
+                             f"{self.features.layers}; a second head asks for {tuple(layers)}")
+        return self.features
+
+    def _feature_kwargs(self) -> dict:
+        """What a forward passes the model so that it returns its hidden states, when they are kept."""
+        return {} if self.features is None else {"output_hidden_states": True}
+
+    def _cut_features(self, row: int, length: int | None) -> None:
+        """The row's kept features follow its cache: cut to ``length`` (a rollback), or dropped (None: released)."""
+        if self.features is None:
+            return
+        if length is None:
+            self.features.release(row)
+        else:
+            self.features.truncate(row, length)
+
+    def batch_rows(self) -> list[int]:
+        """The row at each index of the batch a forward feeds (the live rows, in order)."""
+        return self._live_rows()
+
+    def _selected(self, outputs) -> torch.Tensor | None:
+        """The kept layers' hidden states ``[B, width, F]`` of a forward's ``outputs``, when kept."""
+        return None if self.features is None else self.features.select(outputs.hidden_states)
+
+    def _keep_features(self, selected: torch.Tensor | None, placements: dict[int, tuple[int, int, int]]) -> None:
+        """Keep the features ``selected`` ``[B, width, F]`` of a forward: ``placements`` ``{row: (batch
+        index, first column, count)}``, each row's fed tokens in those columns of the forward's inputs,
+        written from the position its cache held before (`FeatureStore.write`)."""
+        if self.features is None:
+            return
+        for row, (index, column, count) in placements.items():
+            self.features.write(row, self.lengths[row], selected[index, column : column + count])
 
     @property
     def checks_ids(self) -> bool:

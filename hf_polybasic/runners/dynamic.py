@@ -141,8 +141,11 @@ class CachedModel(RunnerBase):
         """Logits ``[num_positions, V]`` of one forward of the only row's new tokens ``fed`` ``[n]``
         (without a cache: of the whole sequence)."""
         inputs = fed.unsqueeze(0).to(self.device)
+        kwargs = {**kwargs, **self._feature_kwargs()}
         if self.cache is None:
             outputs = self.model(input_ids=inputs, use_cache=False, **kwargs)
+            self.lengths[0] = 0  # the whole sequence was fed
+            self._keep_features(self._selected(outputs), {0: (0, 0, int(fed.shape[0]))})
         else:
             start = self.lengths[0]
             positions = torch.arange(start, start + fed.shape[0], device=self.device).unsqueeze(0)
@@ -152,6 +155,7 @@ class CachedModel(RunnerBase):
                 **{compat.cache_argument(self.model): self.cache}, **kwargs
             )
             self._slots[0].extend(range(start, start + fed.shape[0]))
+            self._keep_features(self._selected(outputs), {0: (0, 0, int(fed.shape[0]))})
         return outputs.logits[0, -num_positions:, : self.vocab_limit].float()
 
     def _forward_batch(self, fed: dict, width: int, num_positions: dict, kwargs: dict) -> dict:
@@ -174,9 +178,11 @@ class CachedModel(RunnerBase):
             self._slots[row].extend(range(slots + width - count, slots + width))
         self._valid = torch.cat([self._valid, upload(new_valid, self.device)], dim=1)
         outputs = self.model(
-            input_ids=inputs, position_ids=upload(positions, self.device),
-            attention_mask=self._valid.long(), use_cache=True, **{compat.cache_argument(self.model): self.cache}, **kwargs,
+            input_ids=inputs, position_ids=upload(positions, self.device), attention_mask=self._valid.long(),
+            use_cache=True, **{compat.cache_argument(self.model): self.cache}, **kwargs, **self._feature_kwargs(),
         )
+        self._keep_features(self._selected(outputs), {row: (self._batch_index[row], width - int(tokens.shape[0]),
+                                                            int(tokens.shape[0])) for row, tokens in fed.items()})
         return {row: outputs.logits[self._batch_index[row], -n:, : self.vocab_limit].float()
                 for row, n in num_positions.items()}
 
@@ -203,8 +209,11 @@ class CachedModel(RunnerBase):
         kwargs = {"logits_to_keep": 1} if self._accepts_logits_to_keep else {}
         valid = valid.to(self.device)
         with self._attention():
-            self.model(input_ids=inputs, position_ids=positions.to(self.device),
-                       attention_mask=valid.long(), use_cache=True, **{compat.cache_argument(self.model): self.cache}, **kwargs)
+            outputs = self.model(input_ids=inputs, position_ids=positions.to(self.device), attention_mask=valid.long(),
+                                 use_cache=True, **{compat.cache_argument(self.model): self.cache}, **kwargs,
+                                 **self._feature_kwargs())
+        counts = {row: int(firsts[row // repeats].shape[0]) for row in rows}
+        self._keep_features(self._selected(outputs), {row: (row // repeats, width - counts[row], counts[row]) for row in rows})
         self.forward_passes += 1
         self.cache.batch_repeat_interleave(repeats)
         self._valid = valid.repeat_interleave(repeats, dim=0)
@@ -232,6 +241,7 @@ class CachedModel(RunnerBase):
             compat.remove_last_tokens(self.cache, self.lengths[0] - length)
             del self._slots[0][length:]
         self.lengths[0] = length
+        self._cut_features(0, length)
 
     def _rollback_batch(self, lengths: dict[int, int]) -> None:
         """Turn each row's dropped slots into holes, then cut the trailing slots no row uses."""
@@ -242,6 +252,7 @@ class CachedModel(RunnerBase):
             self._valid[index, self._slots[row][length:]] = False
             del self._slots[row][length:]
             self.lengths[row] = length
+            self._cut_features(row, length)
         self._cut_unused_tail()
 
     def release_rows(self, rows) -> None:
@@ -261,6 +272,7 @@ class CachedModel(RunnerBase):
         for row in gone:
             self._batch_index[row] = None
             self._slots[row] = []
+            self._cut_features(row, None)
         for index, row in enumerate(live):
             self._batch_index[row] = index
         if live:

@@ -223,9 +223,11 @@ def compile_problem(model: torch.nn.Module) -> str | None:
     """Why ``model``'s forwards should not be compiled now, or None (checked at every call: hooks
     come and go): forward hooks on it or a submodule run Python at every forward (accelerate's
     device hooks move weights, a restricted vocabulary grows its output layer), which a graph
-    would either freeze or break on."""
+    would either freeze or break on. transformers' own hooks that record hidden states only when asked
+    (left on a model once hidden states were asked of it: a draft head below it asks) are not such hooks."""
     hooked = next((name or type(model).__name__ for name, module in model.named_modules()
-                   if module._forward_hooks or module._forward_pre_hooks), None)
+                   if module._forward_pre_hooks or any(not compat.is_output_capturing_hook(hook)
+                                                       for hook in module._forward_hooks.values())), None)
     if hooked is not None:
         return f"it has forward hooks ({hooked}: Python run at every forward, e.g. accelerate's or a counter's)"
     return None

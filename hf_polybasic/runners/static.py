@@ -144,11 +144,13 @@ class SlotLayer(compat.CacheLayerBase):
         """Nothing to clear: a slot is written before any query can see it."""
 
 
-def _forward(float_mask: bool, cache_name: str) -> Callable:
+def _forward(float_mask: bool, cache_name: str, layers: tuple[int, ...] | None = None) -> Callable:
     """The function a runner calls (and compiles): logits ``[rows, width, V]`` of ``model`` for
     ``input_ids`` ``[rows, width]`` at ``position_ids``, written to the cache at ``slots``; query j of
-    row b attends to the slots ``<= slots[b, j]``. The model is an argument, not a closure: a
-    compiled forward kept per model must not keep its model alive."""
+    row b attends to the slots ``<= slots[b, j]``. With ``layers`` (a draft head reads them), the
+    pair (logits, the hidden states they select, concatenated ``[rows, width, F]``), out of the same
+    forward (and graph). The model is an argument, not a closure: a compiled forward kept per model
+    must not keep its model alive."""
 
     def forward(model, input_ids, position_ids, slots, cache):
         visible = visible_slots(slots, cache.capacity)
@@ -156,8 +158,11 @@ def _forward(float_mask: bool, cache_name: str) -> Callable:
             dtype = cache_dtype(model)
             visible = torch.zeros(visible.shape, dtype=dtype, device=slots.device).masked_fill(
                 ~visible, torch.finfo(dtype).min)
-        return model(input_ids=input_ids, position_ids=position_ids, attention_mask=visible,
-                     use_cache=True, **{cache_name: cache}).logits
+        outputs = model(input_ids=input_ids, position_ids=position_ids, attention_mask=visible,
+                        use_cache=True, output_hidden_states=layers is not None, **{cache_name: cache})
+        if layers is None:
+            return outputs.logits
+        return outputs.logits, torch.cat([outputs.hidden_states[layer] for layer in layers], dim=-1)
 
     return forward
 
@@ -189,20 +194,20 @@ def compile_options(device: torch.device) -> dict:
 GRAPHS_PER_MODEL = 8 * len(WIDTHS)
 
 
-def forward_for(model, compiled: bool, float_mask: bool) -> Callable:
-    """The model's forward for a `StaticRunner`: compiled once per (model, mask kind) and kept
-    while the model lives (a later call reuses its graphs), or plain."""
-    forward = _forward(float_mask, compat.cache_argument(model))
+def forward_for(model, compiled: bool, float_mask: bool, layers: tuple[int, ...] | None = None) -> Callable:
+    """The model's forward for a `StaticRunner`: compiled once per (model, mask kind, hidden states
+    kept) and kept while the model lives (a later call reuses its graphs), or plain."""
+    forward = _forward(float_mask, compat.cache_argument(model), layers)
     if not compiled:
         return forward
     with _compiled_lock:
         kinds = _compiled.setdefault(model, {})
-        if float_mask not in kinds:
+        if (float_mask, layers) not in kinds:
             # a code object of its own: dynamo keeps (and counts) graphs per code object, so each
             # model's graphs neither evict nor count against another's
             forward.__code__ = forward.__code__.replace()
-            kinds[float_mask] = _with_graph_limit(torch.compile(forward, **compile_options(model.device)))
-        return kinds[float_mask]
+            kinds[float_mask, layers] = _with_graph_limit(torch.compile(forward, **compile_options(model.device)))
+        return kinds[float_mask, layers]
 
 
 _graphs_made: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> graphs its forwards made
@@ -292,10 +297,23 @@ class StaticRunner(RunnerBase):
         self.cache: SlotCache | None = None  # taken at the first forward (`take_cache`), given back by `close`
         self._live = [True] * rows
         self.forward_widths: list[int] = []
-        float_mask = compat.attention_implementation(model) != "sdpa"
-        self._plain = forward_for(model, False, float_mask)
         self.compiled = compiled
-        self._compiled = forward_for(model, True, float_mask) if compiled else None
+        self._float_mask = compat.attention_implementation(model) != "sdpa"
+        self._make_forwards()
+
+    def _make_forwards(self, layers: tuple[int, ...] | None = None) -> None:
+        self._plain = forward_for(self.model, False, self._float_mask, layers)
+        self._compiled = forward_for(self.model, True, self._float_mask, layers) if self.compiled else None
+
+    def capture_features(self, layers: tuple[int, ...]):
+        """`RunnerBase.capture_features`; the hidden states come out of the same forwards (graphs)."""
+        store = super().capture_features(layers)
+        self._make_forwards(store.layers)
+        return store
+
+    def batch_rows(self) -> list[int]:
+        """The row at each index of the batch a forward feeds: every row (released ones feed pads)."""
+        return list(range(self.rows))
 
     def close(self) -> None:
         """Give the cache back for later calls (the runner is not used afterwards)."""
@@ -329,6 +347,7 @@ class StaticRunner(RunnerBase):
             chunk = {row: tokens[start : None if prefill else start + widest] for row, tokens in fed.items()
                      if tokens.shape[0] > start}
             logits = self._forward(chunk, prefill)  # [rows, width, V]
+            self._keep_features(self._hidden, {row: (row, 0, int(tokens.shape[0])) for row, tokens in chunk.items()})
             for row, tokens in chunk.items():
                 count = int(tokens.shape[0])
                 first = max(int(fed[row].shape[0]) - requests[row][1] - start, 0)  # first wanted position here
@@ -366,6 +385,9 @@ class StaticRunner(RunnerBase):
             else:
                 with self._attention():
                     logits = self._plain(self.model, input_ids, position_ids, slots, self.cache)
+        self._hidden = None
+        if self.features is not None:  # [rows, width, F], a copy: a CUDA graph's output is overwritten by its next replay
+            logits, self._hidden = logits[0], logits[1].clone()
         if not prefill:
             self.forward_widths.append(width)
         return logits
