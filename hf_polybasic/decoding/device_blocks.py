@@ -28,7 +28,8 @@ stop the host finds after the read) are discarded, and where a block ends depend
 tokens (a stopping time, as for `hf_polybasic.decoding.protocol.Deferred`).
 
 Used where reads wait for the device and it applies (`DeviceBlocks.serves`): the level and its drafter both
-run on static caches (`hf_polybasic.runners.static.StaticRunner.forward_from`), every processor of every
+run on static caches (`hf_polybasic.runners.static.StaticRunner.forward_from`) that keep no features for a
+draft head (their positions would live on the device only), every processor of every
 row is prefix-free (no row's sequence is needed on the host) and no ids need a check on the host. The
 drafter's schedule sets its width but is not asked token by token; it learns from every round.
 """
@@ -46,6 +47,7 @@ from ..runners.transfer import upload
 from ..timing import timed
 from .acceptance import emitted_tokens
 from .protocol import Proposal
+from .reads import HostRead
 
 # rounds of one batch at most, and the widest draft (a verification of w + 1 positions fits the widest width)
 MAX_ROUNDS = 16
@@ -71,7 +73,7 @@ class DeviceBlocks:
         """Whether the rounds of ``rows`` can be decided on the device (see the module docstring; the
         caller knows whether reads wait for it)."""
         runners = (self.verifier.runner, self.drafter.runner)
-        return (all(isinstance(runner, StaticRunner) for runner in runners)
+        return (all(isinstance(runner, StaticRunner) and runner.features is None for runner in runners)
                 and not any(runner.checks_ids for runner in runners)
                 and all(isinstance(processor, PREFIX_FREE_PROCESSORS)
                         for row in rows for rules in (self.verifier.rules[row], self.drafter.rules[row])
@@ -175,31 +177,26 @@ class DeviceBlocks:
         return active, accepted, emitted, scores, confidences
 
     def _read(self, state: _State, ran: list[tuple]) -> dict:
-        """The batch's one read: per round, which rows it ran for, their accepted counts, emitted tokens
-        and confidences; both caches' lengths."""
-        rows = state.rows
-        packed = [state.above, state.below]
-        for active, accepted, emitted, _, confidences, _, _ in ran:
-            packed += [active.long(), accepted, emitted.flatten()]
+        """The batch's one read (`HostRead`): per round, which rows it ran for, their accepted counts,
+        emitted tokens and confidences; both caches' lengths."""
+        read = HostRead([("above", state.above), ("below", state.below)])
+        for index, (active, accepted, emitted, _, confidences, _, _) in enumerate(ran):
+            read.extend([((index, "active"), active), ((index, "accepted"), accepted), ((index, "emitted"), emitted)])
             if confidences is not None:
-                packed.append(confidences.flatten().double())
-        values = torch.cat([piece.double() for piece in packed]).tolist()
-        host = {"above": values[:rows], "below": values[rows : 2 * rows], "active": [], "accepted": [],
-                "emitted": [], "confidences": []}
-        start = 2 * rows
-        for _, _, emitted, _, confidences, _, _ in ran:
+                read.add((index, "confidences"), confidences)  # [rows, w + 1]
+        values = read.read()
+
+        def per_row(flat: list[float], width: int) -> list[list[float]]:
+            return [flat[row * width : (row + 1) * width] for row in range(state.rows)]
+
+        host = {"above": values["above"], "below": values["below"], "active": [], "accepted": [], "emitted": [],
+                "confidences": []}
+        for index, (_, _, emitted, _, confidences, _, _) in enumerate(ran):
             width = emitted.shape[1]
-            host["active"].append([bool(v) for v in values[start : start + rows]])
-            host["accepted"].append(values[start + rows : start + 2 * rows])
-            flat = values[start + 2 * rows : start + 2 * rows + rows * width]
-            host["emitted"].append([flat[row * width : (row + 1) * width] for row in range(rows)])
-            start += 2 * rows + rows * width
-            if confidences is not None:
-                flat = values[start : start + rows * width]
-                host["confidences"].append([flat[row * width : (row + 1) * width] for row in range(rows)])
-                start += rows * width
-            else:
-                host["confidences"].append(None)
+            host["active"].append([bool(v) for v in values[index, "active"]])
+            host["accepted"].append(values[index, "accepted"])
+            host["emitted"].append(per_row(values[index, "emitted"], width))
+            host["confidences"].append(None if confidences is None else per_row(values[index, "confidences"], width))
         return host
 
 

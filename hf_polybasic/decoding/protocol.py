@@ -63,9 +63,9 @@ class Proposal:
 class Deferred:
     """A proposal whose end is still on the device: where a read waits for the device, a model
     drafter hands up every token it drafted without reading them back, and the level above reads
-    ``values`` (per row ``[n]``, float64) with its own decision, in its one read; ``settle`` then takes
-    those host values (``{row: [n] floats}``) and returns each row's settled proposal, a prefix of
-    the drafted tokens (cut after an invalid draw, an EOS, or where the drafter's schedule stops).
+    ``pieces`` (named tensors, `hf_polybasic.decoding.reads.HostRead`) with its own decision, in its one
+    read; ``settle`` then takes what that read returned (``{name: [values]}``) and returns each row's
+    settled proposal, a prefix of the drafted tokens (cut after an invalid draw, an EOS, or where the drafter's schedule stops).
     Every proposal of one ``propose`` call shares the same `Deferred`; ``late_seconds`` says which
     part of the level above's read was the drafter's work still running.
 
@@ -75,8 +75,8 @@ class Deferred:
     verifier's distribution. Exact because the prefix's length depends only on the tokens inside it
     (a stopping time of the drafts), never on the verification."""
 
-    values: dict[int, torch.Tensor]
-    settle: Callable[[dict[int, list[float]]], dict[int, Proposal]]
+    pieces: list  # what the level above's read must carry (`hf_polybasic.decoding.reads.HostRead` pieces)
+    settle: Callable[[dict], dict[int, Proposal]]
     # after `settle`: seconds of the drafting that ran on the device past the drafter's own span,
     # which the level above waited for in its read (they are the drafter's, not the verifier's)
     late_seconds: Callable[[], float] = lambda: 0.0

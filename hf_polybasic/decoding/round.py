@@ -60,6 +60,7 @@ from ..timing import DEFAULT_CLOCK, Clock, DeviceSpan, timed
 from .acceptance import emitted_tokens, greedy_decision, speculative_decision
 from .device_blocks import DeviceBlocks
 from .protocol import Block, Deferred, Level, Proposal, Runner
+from .reads import HostRead
 
 
 @dataclass
@@ -238,54 +239,36 @@ class Verifier:
 
     def _read(self, proposals: dict[int, Proposal], decided: dict[int, torch.Tensor], scores: dict[int, torch.Tensor],
               deferred: Deferred | None) -> tuple[dict[int, Proposal], dict[int, Read]]:
-        """Every row's decision in one read from the device: the settled proposals (``proposals``
-        themselves unless the level below ``deferred`` its read) and each row's `Read`. Where the
-        emitted tokens or their confidences are needed, they are computed for all k + 1 positions
-        before the read: position j emits the j-th draft while j < accepted, then the verifier's own
-        token."""
-        packed, emitted = [], {}
+        """Every row's decision in one read from the device (`HostRead`): the settled proposals
+        (``proposals`` themselves unless the level below ``deferred`` its read: its pieces join this
+        read) and each row's `Read`. Where the emitted tokens or their confidences are needed, they
+        are computed for all k + 1 positions before the read: position j emits the j-th draft while
+        j < accepted, then the verifier's own token."""
+        read, emitted = HostRead(), {}
         for row, decision in decided.items():
-            packed.append(decision.to(torch.float64))
+            read.add((row, "decision"), decision)  # [accepted, next token]
             if deferred is not None or self.confidences:
                 drafts = proposals[row].tokens.to(decision.device)  # [k]
                 emitted[row] = emitted_tokens(drafts, decision[0], decision[1:])  # [k + 1]
             if deferred is not None:
-                packed.append(emitted[row].to(torch.float64))  # [k + 1]
+                read.add((row, "emitted"), emitted[row])
             if self.confidences:
                 probs = scores[row].softmax(-1).gather(1, emitted[row].to(scores[row].device).unsqueeze(1)).squeeze(1)
-                packed.append(probs.to(device=decision.device, dtype=torch.float64))  # [k + 1]
+                read.add((row, "confidences"), probs)  # [k + 1]
         if deferred is not None:
-            packed += [deferred.values[row].to(device=packed[0].device, dtype=torch.float64) for row in decided]
-        values = torch.cat(packed).tolist()
-        host, start = {}, 0
+            read.extend(deferred.pieces)
+        host = read.read()
+        settled = proposals if deferred is None else deferred.settle(host)
+        reads = {}
         for row in decided:
-            width = len(proposals[row]) + 1
-            accepted, next_token = int(values[start]), int(values[start + 1])
-            start += 2
-            ids = None
-            if deferred is not None:
-                ids = [int(token) for token in values[start : start + width]]
-                start += width
-            confidences = None
-            if self.confidences:
-                confidences = values[start : start + width]
-                start += width
-            host[row] = (accepted, next_token, ids, confidences)
-        settled = proposals
-        if deferred is not None:
-            own = {}
-            for row in decided:
-                own[row] = values[start : start + deferred.values[row].shape[0]]
-                start += deferred.values[row].shape[0]
-            settled = deferred.settle(own)
-        read = {}
-        for row, (accepted, next_token, ids, confidences) in host.items():
+            accepted, next_token = (int(value) for value in host[row, "decision"])
             kept = min(accepted, len(settled[row]))
             # past the settled proposal the verifier emits the draft it accepted there (`Deferred`)
-            token = next_token if kept == accepted else ids[kept]
+            token = next_token if kept == accepted else int(host[row, "emitted"][kept])
             on_device = emitted[row][kept : kept + 1] if row in emitted else decided[row][1:]
-            read[row] = Read(kept, token, on_device, None if confidences is None else confidences[: kept + 1])
-        return settled, read
+            confidences = host.get((row, "confidences"))
+            reads[row] = Read(kept, token, on_device, None if confidences is None else confidences[: kept + 1])
+        return settled, reads
 
     def _round(self, proposal: Proposal, read: Read, scores, logits) -> Round:
         """The row's round: its first ``read.kept`` drafts, then the token emitted after them, on the
@@ -572,26 +555,25 @@ class ModelDrafter(Proposer):
         if stepwise:
             self._observe(blocks, seconds)
             return {row: block.proposal() for row, block in blocks.items()}
-        values = {row: self._pack(drawn.get(row, []), requests[row][0].device) for row in requests}  # [n] each
+        pieces = [piece for row in requests for piece in self._pieces(row, drawn.get(row, []))]
         if reads_wait(self.runner.device):  # the level above reads them with its decision
-            return self._deferred(blocks, drawn, widths, values, span.seconds, device, catch_up)
-        return self._settle(blocks, drawn, widths, self._read_back(values), seconds)
+            return self._deferred(blocks, drawn, widths, pieces, span.seconds, device, catch_up)
+        return self._settle(blocks, drawn, widths, HostRead(pieces).read(), seconds)
 
     def _deferred(self, blocks: dict[int, Block], drawn: dict[int, list[Draw]], widths: dict[int, int],
-                  values: dict[int, torch.Tensor], host_seconds: float, device: DeviceSpan,
-                  catch_up: float) -> dict[int, Proposal]:
+                  pieces: list, host_seconds: float, device: DeviceSpan, catch_up: float) -> dict[int, Proposal]:
         """Every row's drafted tokens, unread, for the level above to verify and to read back with its
         decision (`Deferred`); its read settles the blocks (`_settle`), when the drafting has run on
         the device: its seconds there (``device``, beyond the host's ``host_seconds`` of launching
         it) are this level's, though the level above waited for them."""
         late = []
 
-        def settle(host: dict[int, list[float]]) -> dict[int, Proposal]:
+        def settle(host: dict) -> dict[int, Proposal]:
             late.append(device.seconds(host_seconds) - host_seconds)
             self.stats.seconds += late[0]
             return self._settle(blocks, drawn, widths, host, host_seconds + late[0] - catch_up)
 
-        deferred = Deferred(values, settle, lambda: late[0] if late else 0.0)
+        deferred = Deferred(pieces, settle, lambda: late[0] if late else 0.0)
         proposals = {}
         for row in blocks:
             draws = drawn.get(row, [])
@@ -635,50 +617,38 @@ class ModelDrafter(Proposer):
         return going
 
     @staticmethod
-    def _pack(draws: list[Draw], device: torch.device) -> torch.Tensor:
-        """``[n]`` float64 on ``device``: a row's drafted tokens, their validity and, where its
-        schedule stops by confidence, their probabilities (what `_settle` reads)."""
+    def _pieces(row: int, draws: list[Draw]) -> list[tuple[tuple, torch.Tensor]]:
+        """What a read carries of a row's draws (`HostRead` pieces, named ``("drafts", row, ...)``): its
+        drafted tokens, their validity and, where its schedule stops by confidence, their
+        probabilities (what `_settle` reads)."""
         if not draws:
-            return torch.empty(0, dtype=torch.float64, device=device)
-        packed = [torch.cat([d.token for d in draws]).double(), torch.stack([d.valid for d in draws]).double()]
+            return []
+        pieces = [(("drafts", row, "tokens"), torch.cat([d.token for d in draws])),
+                  (("drafts", row, "valid"), torch.stack([d.valid for d in draws]))]
         if draws[0].confidence is not None:
-            packed.append(torch.stack([d.confidence.reshape(()) for d in draws]).double())
-        return torch.cat(packed)
-
-    @staticmethod
-    def _read_back(values: dict[int, torch.Tensor]) -> dict[int, list[float]]:
-        """Every row's packed values on the host, in one read."""
-        rows = [row for row in values if values[row].numel()]
-        host = dict.fromkeys(values, [])
-        if rows:
-            flat, start = torch.cat([values[row] for row in rows]).tolist(), 0
-            for row in rows:
-                host[row] = flat[start : start + values[row].numel()]
-                start += values[row].numel()
-        return host
+            pieces.append((("drafts", row, "confidences"), torch.stack([d.confidence.reshape(()) for d in draws])))
+        return pieces
 
     def _settle(self, blocks: dict[int, Block], drawn: dict[int, list[Draw]], widths: dict[int, int],
                 host: dict[int, list[float]], seconds: float) -> dict[int, Proposal]:
-        """Add every row's draws to its block from their values read back (`_pack`), each up to its
+        """Add every row's draws to its block from their values read back (`_pieces`), each up to its
         first invalid draw (`Block.extend` cuts after an EOS); a schedule that stops by confidence then
         cuts the block after the first token it would not have drafted past, as if it had been asked
         token by token, and the row's next width follows where it cut (`next_width`). The proposal
         and what it cost are recorded; returns the proposals."""
-        for row, values in host.items():
+        for row, block in blocks.items():
             draws = drawn.get(row, [])
-            count = len(draws)
-            if not count:
+            if not draws:
                 continue
-            tokens = [int(token) for token in values[:count]]
-            valid = values[count : 2 * count]
-            usable = valid.index(0) if 0 in valid else count
+            tokens = [int(token) for token in host["drafts", row, "tokens"]]
+            valid = host["drafts", row, "valid"]
+            usable = valid.index(0) if 0 in valid else len(draws)
             if not usable:
                 continue
-            block = blocks[row]
             block.extend(torch.cat([d.token for d in draws[:usable]]),
                          torch.cat([d.probs for d in draws[:usable]]) if self.samples else None, ids=tokens[:usable])
             if draws[0].confidence is not None:
-                self._cut_by_confidence(row, block, values[2 * count : 3 * count], widths[row])
+                self._cut_by_confidence(row, block, host["drafts", row, "confidences"], widths[row])
         self._observe(blocks, seconds)
         return {row: block.proposal() for row, block in blocks.items()}
 
