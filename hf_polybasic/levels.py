@@ -8,6 +8,9 @@
 * `restricted_vocabulary(model, keep)`: the model with an output layer that scores only a subset
   of the vocabulary (-inf elsewhere), sharing the weights: a cheaper drafter
   (`hf_polybasic.models.vocab_head`).
+* `draft_head(source, verifier=model)`: a trained draft head (EAGLE-1/2/3 checkpoints, or a model's
+  native MTP layers) that drafts from the hidden states of the level right above it
+  (`hf_polybasic.heads`).
 * Model-free drafters live in `hf_polybasic.drafters` (`PromptLookup`, and the `Drafter`
   interface for your own) and are re-exported here.
 
@@ -16,7 +19,9 @@ module only names them; they are built in `hf_polybasic.models` and `hf_polybasi
 """
 
 from .drafters import Drafter, PromptLookup
+from .heads import draft_head
 from .models.copies import QUANTIZATION_METHODS, early_exit, quantized_copy
 from .models.vocab_head import restricted_vocabulary
 
-__all__ = ["Drafter", "PromptLookup", "QUANTIZATION_METHODS", "early_exit", "quantized_copy", "restricted_vocabulary"]
+__all__ = ["Drafter", "PromptLookup", "QUANTIZATION_METHODS", "draft_head", "early_exit", "quantized_copy",
+           "restricted_vocabulary"]

@@ -264,3 +264,57 @@ def assert_target_could_sample(target, sequences, prompt_length: int, top_k: int
             f"a sampled token the target gives probability 0: new token {int(below.nonzero()[0])} "
             f"(id {int(new[below][0])}) is below the target's {top_k}-th largest logit there"
         )
+
+
+# --- trained draft heads (test_heads) -------------------------------------------------------------------
+def make_head(verifier, layers=(-1,), seed: int = 0):
+    """A `TinyHead` for ``verifier`` (random weights; `distilled_head` trains one)."""
+    from transformers import LlamaConfig, LlamaModel
+
+    from hf_polybasic import compat
+    from hf_polybasic.heads.base import DraftHead
+
+    class Head(DraftHead):
+        def __init__(self):
+            super().__init__()
+            config = verifier.config.get_text_config(decoder=True)
+            width = config.hidden_size
+            self.feature_layers, self.hidden_size = tuple(layers), width
+            self.vocab_size = verifier.get_output_embeddings().weight.shape[0]
+            self.decoder_config = LlamaConfig(vocab_size=self.vocab_size, hidden_size=width,
+                                              intermediate_size=2 * width, num_hidden_layers=1,
+                                              num_attention_heads=4, num_key_value_heads=2)
+            self.decoder_config._attn_implementation = "sdpa"
+            self.fc = torch.nn.Linear(2 * width, width)
+            self.combine = torch.nn.Linear(len(layers) * width, width) if len(layers) > 1 else None
+            self.inner = LlamaModel(self.decoder_config)
+            self.inner.embed_tokens, self.inner.norm = None, torch.nn.Identity()
+            self._shared = (verifier.get_input_embeddings(), verifier.get_output_embeddings())  # not submodules
+
+        def project(self, features):
+            return features if self.combine is None else self.combine(features)
+
+        def forward(self, input_ids, features, *, position_ids, attention_mask, cache, use_cache=True):
+            embed, lm_head = self._shared
+            x = self.fc(torch.cat([embed(input_ids).to(features.dtype), features], -1))
+            hidden = self.inner(inputs_embeds=x, position_ids=position_ids, attention_mask=attention_mask,
+                                use_cache=use_cache, **{compat.cache_argument(self.inner): cache}).last_hidden_state
+            return lm_head(hidden).float(), hidden
+
+    torch.manual_seed(seed)
+    return Head().eval()
+
+
+def distilled_head(verifier, layers=(-1,), texts: int = 48, length: int = 24, steps: int = 150, seed: int = 0):
+    """A `make_head` head distilled on ``verifier``'s own samples (seconds on a tiny model), wrapped as a level."""
+    from hf_polybasic.heads.training import distill
+    from hf_polybasic.runners.head import HeadModel
+
+    core = make_head(verifier, layers, seed)
+    torch.manual_seed(seed)
+    vocab = verifier.config.get_text_config(decoder=True).vocab_size
+    starts = torch.randint(3, vocab, (texts, 3))
+    samples = verifier.generate(starts, attention_mask=torch.ones_like(starts), do_sample=True,
+                                max_new_tokens=length, pad_token_id=PAD, eos_token_id=None)
+    distill(core, verifier, samples, steps=steps, lr=1e-2, seed=seed)
+    return HeadModel(core, name=f"tiny head {layers}", verifier=verifier)

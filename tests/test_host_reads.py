@@ -10,7 +10,7 @@ import weakref
 
 import pytest
 import torch
-from helpers import left_padded
+from helpers import distilled_head, left_padded
 from torch.overrides import TorchFunctionMode
 
 import hf_polybasic as hp
@@ -194,6 +194,25 @@ def test_a_three_level_round_waits_for_the_device_at_most_twice(rows, shape, gpu
     if shape == IN:
         assert middle_level.device_rounds > 0 and middle_level.accepted > 0
     assert waits.count <= 2 * top.forward_passes + 4, (waits.where, waits.names)
+
+
+@pytest.mark.parametrize("static", [True, False])
+@pytest.mark.parametrize("rows", [1, 4])
+@pytest.mark.parametrize("depth", [2, 3])
+def test_a_chain_with_a_head_waits_for_the_device_once_a_verification(depth, rows, static, gpu_rules, shared_models):
+    """A trained draft head at the bottom (issue 42) waits no more than a model drafter does: its
+    features are the level above's, kept on the device from that level's own forwards, and its drafts
+    are read with the level above's decision, once a verification (the target's, and in 3 levels each of
+    the middle level's, which decides its rounds on the host with a head below it)."""
+    target, middle = shared_models.chain("llama", 2, seed=79)
+    head = shared_models.built(("waits head",), lambda: (distilled_head(target),))[0]
+    chain = [head] if depth == 2 else [middle, head]
+    config = hp.PolybasicConfig(schedule="constant", num_draft_tokens=4, block_threshold=4, compile=static)
+    waits, stats = _waits(target, chain, rows, config, cache_implementation="static" if static else None)
+    verifications = sum(level.forward_passes for level in stats.levels[:-1])
+    assert stats.levels[-2].drafted > 0 and stats.levels[-2].accepted > 0
+    assert stats.levels[-1].runner == ("static" if static else "dynamic")
+    assert waits.count <= verifications + 4, (verifications, waits.where, waits.names)
 
 
 def test_the_waits_counter_sees_the_per_token_reads_of_the_cpus_drafter(shared_models):

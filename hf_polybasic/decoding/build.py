@@ -18,6 +18,7 @@ from ..costs import CostCurves, CostEstimate
 from ..drafters import AddedPromptLookup, Drafter
 from ..labels import model_label
 from ..runners.dynamic import CachedModel
+from ..runners.head import HeadModel, HeadRunner, head_source
 from ..runners.probe import compile_problem, static_problem
 from ..runners.static import StaticRunner
 from ..schedule import BatchGate, RowSchedules, ShapeGate
@@ -113,6 +114,7 @@ class Chain:
                 level.forward_costs = estimate.snapshot()
                 if costs is not None:
                     costs.refresh(runner.model, estimate, runner_kind(runner))
+            runner = getattr(runner, "inner", runner)  # a head's runner: the one its own cache is on
             if isinstance(runner, StaticRunner):
                 level.runner = "static, compiled" if runner.compiled else "static"
                 level.forward_widths = dict(sorted(collections.Counter(runner.forward_widths).items()))
@@ -164,6 +166,7 @@ def make_runner(model, cache, role: str, config: PolybasicConfig, static: bool, 
 
 def runner_kind(runner) -> str:
     """"compiled", "static" or "dynamic": the runner a model's forwards go through (its costs differ)."""
+    runner = getattr(runner, "inner", runner)  # a head's runner: the one its own cache is on
     if isinstance(runner, StaticRunner):
         return "compiled" if runner.compiled else "static"
     return "dynamic"
@@ -174,6 +177,49 @@ def _warn_runner(model, reason: str, message: str) -> None:
     if key not in _warned_runners:
         _warned_runners.add(key)
         warn(message)
+
+
+@dataclass
+class _Link:
+    """One level of a chain being built: its model (or `Drafter`), the runner it decodes with (None for
+    a `Drafter`), and under the cost-aware schedule its cost estimate and a row's share of it."""
+
+    model: object
+    runner: object | None
+    estimate: CostEstimate | None = None
+    share: BatchShare | None = None
+
+    def step(self, rows: int) -> float | None:
+        """A row's share of one step of this level's model, T(rows) / rows (None: not estimated)."""
+        return None if self.estimate is None else self.estimate.seconds(rows) / rows
+
+
+def _links(target, assistant_models: Sequence, names: list[str], target_cache, config: PolybasicConfig, static: bool,
+           capacity: int | None, clock: Clock, rows: int, costs: CostCurves | None) -> list[_Link]:
+    """Each level's `_Link`, top-down: a fresh cache for every assistant model (a draft head's runner reads
+    the features the runner above it keeps, `hf_polybasic.runners.head`) and, under the cost-aware schedule,
+    every model's cost estimate from ``costs`` (measured on first use)."""
+    vocab = target.config.get_text_config(decoder=True).vocab_size
+    links = [_Link(target, make_runner(target, target_cache, f"target {names[0]}", config, static, capacity, None,
+                                       clock, rows))]
+    for index, model in enumerate(assistant_models):
+        role = f"assistant_models[{index}] ({names[index + 1]})"
+        if isinstance(model, Drafter):
+            runner = None
+        elif isinstance(model, HeadModel):  # fed the hidden states of the level above
+            inner = make_runner(model, new_dynamic_cache(model), role, config, static, capacity, None, clock, rows)
+            runner = HeadRunner(inner, head_source(links[-1].runner, role), vocab)
+        else:
+            runner = make_runner(model, new_dynamic_cache(model), role, config, static, capacity, vocab, clock, rows)
+        links.append(_Link(model, runner))
+    if config.schedule == "cost_aware" and costs is not None:
+        for link in links:
+            curve = None if link.runner is None else costs.curve_for(
+                link.model, clock, measure=config.measure_costs, runner=runner_kind(link.runner), capacity=capacity)
+            if curve is not None:  # None: not stored and not to be measured; the schedule goes by the call's timings
+                link.estimate = link.runner.cost_observer = CostEstimate(curve)
+                link.share = BatchShare(link.estimate, link.runner)
+    return links
 
 
 def build_chain(
@@ -200,81 +246,67 @@ def build_chain(
     names = level_names(target, assistant_models)
     roles = ["target"] + ["intermediate"] * (len(assistant_models) - 1) + ["drafter"]
     stats = PolybasicStats(levels=[LevelStats(name=name, role=role) for name, role in zip(names, roles)])
-    vocab = target.config.get_text_config(decoder=True).vocab_size
-    greedy_intermediates = config.verification == "greedy"
     do_sample = rules[rows[0]].do_sample
-    models = [target, *assistant_models]
-    runners = [make_runner(target, target_cache, f"target {names[0]}", config, static, capacity, None, clock, count)] + [
-        None if isinstance(model, Drafter)
-        else make_runner(model, new_dynamic_cache(model), f"assistant_models[{i}] ({names[i + 1]})", config, static,
-                         capacity, vocab, clock, count)
-        for i, model in enumerate(assistant_models)
-    ]
-    estimates = [None] * len(models)
-    if config.schedule == "cost_aware" and costs is not None:
-        for index, runner in enumerate(runners):
-            curve = None if runner is None else costs.curve_for(models[index], clock, measure=config.measure_costs,
-                                                                  runner=runner_kind(runner), capacity=capacity)
-            if curve is not None:  # None: not stored and not to be measured; the schedule goes by the call's timings
-                estimates[index] = runner.cost_observer = CostEstimate(curve)
-    shared = [None if estimate is None else BatchShare(estimate, runner) for estimate, runner in zip(estimates, runners)]
+    links = _links(target, assistant_models, names, target_cache, config, static, capacity, clock, count, costs)
+    models = [link.model for link in links]
     # rows of a batch: whether the level under the target proposes at all is the batch's decision
-    gate = BatchGate(count, estimates[0], estimates[1]) if count > 1 and config.schedule == "cost_aware" else None
-
+    gate = BatchGate(count, links[0].estimate, links[1].estimate) if count > 1 and config.schedule == "cost_aware" else None
     made = RowSchedules(config.schedule, rows, gate)
-    schedules = [None] * len(models)
-    bottom = len(models) - 1
-    if runners[bottom] is None:
+    schedules = [None] * len(links)
+    bottom = len(links) - 1
+    if links[bottom].runner is None:
         # a Drafter sets its own length; the cost-aware schedule caps it (and can sit it out) by how
         # often the level above accepts its drafts
         if config.schedule == "cost_aware":
-            schedules[bottom] = made.for_level(MAX_DRAFT_TOKENS, MAX_DRAFT_TOKENS, shared[bottom - 1], bottom == 1,
+            schedules[bottom] = made.for_level(MAX_DRAFT_TOKENS, MAX_DRAFT_TOKENS, links[bottom - 1].share, bottom == 1,
                                                per_token=False)
         level = parts.drafter_level(models[bottom], rules, stats.levels[bottom], clock, schedules[bottom])
     else:
-        own = estimates[bottom]
-        step = None if own is None else own.seconds(count) / count
-        schedules[bottom] = made.for_level(config.num_draft_tokens, MAX_DRAFT_TOKENS, shared[bottom - 1], bottom == 1,
-                                           step_seconds=step, pair=(models[bottom], models[bottom - 1]))
+        schedules[bottom] = made.for_level(config.num_draft_tokens, MAX_DRAFT_TOKENS, links[bottom - 1].share,
+                                           bottom == 1, step_seconds=links[bottom].step(count),
+                                           pair=(models[bottom], models[bottom - 1]))
         # below a greedy intermediate level, sampled drafts would only lower its acceptance
-        samples = do_sample and not (greedy_intermediates and bottom > 1)
-        level = parts.model_drafter(runners[bottom], rules, stats.levels[bottom], schedules[bottom], samples, clock)
+        samples = do_sample and not (config.verification == "greedy" and bottom > 1)
+        level = parts.model_drafter(links[bottom].runner, rules, stats.levels[bottom], schedules[bottom], samples, clock)
     # a PromptLookup the config added below the bottom model (drafting K tokens, `with_prompt_lookup`):
     # that model is an intermediate level now, with the config's last mu
     added = int(isinstance(models[bottom], AddedPromptLookup))
     thresholds = config.thresholds_for(bottom - 1 - added)
     thresholds += (thresholds[-1] if thresholds else config.last_threshold,) * added
     shape_gates: dict[int, ShapeGate] = {}
+    samples = do_sample and config.verification != "greedy"
     for index in range(bottom - 1, 0, -1):  # intermediate levels, bottom-up
-        samples = do_sample and not greedy_intermediates
-        verifier = parts.verifier(runners[index], level, rules, stats.levels[index], samples, clock)
+        verifier = parts.verifier(links[index].runner, level, rules, stats.levels[index], samples, clock)
         # its T(1) is what a token costs until its rounds are timed (they may emit several per
         # forward, so it does not rule the level out up front)
-        own = estimates[index]
-        step = None if own is None else own.seconds(count) / count
-        schedules[index] = made.for_level(thresholds[index - 1], MAX_BLOCK_THRESHOLD, shared[index - 1], index == 1,
-                                          step_seconds=step, static_check=False, pair=(models[index], models[index - 1]))
+        schedules[index] = made.for_level(thresholds[index - 1], MAX_BLOCK_THRESHOLD, links[index - 1].share,
+                                          index == 1, step_seconds=links[index].step(count), static_check=False,
+                                          pair=(models[index], models[index - 1]))
         shape = {}
-        if index == bottom - 1 and runners[bottom] is not None and None not in estimates[index - 1 : bottom + 1]:
-            # the level right above a model drafter takes part only while Theorem 3.2 says it pays; when
-            # bypassed, the drafter proposes to the level above under schedules priced by its costs; and
-            # the drafter only while the level's model drafting alone to the level above is not faster:
-            # then that model drafts under schedules priced by the level above's costs, with a
-            # calibration of its own (kept for this chain: `calibration.remembered`, ``within``)
-            drafter_step = estimates[bottom].seconds(count) / count
-            middle_step = estimates[index].seconds(count) / count
-            level_costs = (shared[index - 1].seconds, shared[index].seconds, shared[bottom].seconds)
-            drop_schedules = made.for_level(config.num_draft_tokens, MAX_DRAFT_TOKENS, shared[index - 1], index == 1,
-                                            step_seconds=middle_step, pair=(models[index], models[index - 1]),
-                                            within=(models[bottom],))
-            shape = dict(shape_gate=ShapeGate(level_costs, models=(models[index - 1], models[index], models[bottom]),
-                                              drops=True),
-                         bypass_schedules=made.for_level(config.num_draft_tokens, MAX_DRAFT_TOKENS, shared[index - 1],
-                                                         index == 1, step_seconds=drafter_step,
-                                                         pair=(models[bottom], models[index - 1])),
-                         drop_drafter=parts.model_drafter(runners[index], rules, stats.levels[index], drop_schedules,
-                                                          samples, clock))
+        if index == bottom - 1 and all(link.estimate is not None for link in links[index - 1 : bottom + 1]):
+            shape = _shape_gate(links[index - 1 : bottom + 1], index == 1, made, config, parts, rules,
+                                stats.levels[index], samples, clock, count)
             shape_gates[index] = shape["shape_gate"]
         level = parts.intermediate(verifier, schedules[index], clock, **shape)
-    top = parts.verifier(runners[0], level, rules, stats.levels[0], do_sample, clock)
-    return Chain(top, stats, runners, schedules, estimates, gate, shape_gates, made)
+    top = parts.verifier(links[0].runner, level, rules, stats.levels[0], do_sample, clock)
+    return Chain(top, stats, [link.runner for link in links], schedules, [link.estimate for link in links], gate,
+                 shape_gates, made)
+
+
+def _shape_gate(links: list[_Link], under_target: bool, made: RowSchedules, config: PolybasicConfig,
+                parts: ChainParts, rules, stats: LevelStats, samples: bool, clock: Clock, rows: int) -> dict:
+    """What a middle level right above a model drafter takes for its shape gate (``links``: the level
+    above, the middle, the drafter). It takes part only while Theorem 3.2 says it pays; when bypassed, the
+    drafter proposes to the level above under schedules priced by that level's costs; and the drafter only
+    while the middle model drafting alone to the level above is not faster: then that model drafts under
+    schedules priced by the level above's costs, with a calibration of its own (kept for this chain:
+    `calibration.remembered`, ``within``)."""
+    above, middle, drafter = links
+    level_costs = (above.share.seconds, middle.share.seconds, drafter.share.seconds)
+    drop_schedules = made.for_level(config.num_draft_tokens, MAX_DRAFT_TOKENS, above.share, under_target,
+                                    step_seconds=middle.step(rows), pair=(middle.model, above.model),
+                                    within=(drafter.model,))
+    return dict(shape_gate=ShapeGate(level_costs, models=(above.model, middle.model, drafter.model), drops=True),
+                bypass_schedules=made.for_level(config.num_draft_tokens, MAX_DRAFT_TOKENS, above.share, under_target,
+                                                step_seconds=drafter.step(rows), pair=(drafter.model, above.model)),
+                drop_drafter=parts.model_drafter(middle.runner, rules, stats, drop_schedules, samples, clock))

@@ -73,10 +73,14 @@ def _vocab_size(model) -> int:
 @torch.no_grad()
 def _teacher_forced_logits(model, sequence: torch.LongTensor, count: int, vocab: int) -> torch.Tensor:
     """[count, vocab] float32 raw logits predicting the last ``count`` tokens of ``sequence`` ([1, L]),
-    from one forward pass; columns cut or padded (-inf) to the target's vocabulary."""
+    from one forward pass (a draft head's: `HeadModel.teacher_forced`); columns cut or padded (-inf) to
+    the target's vocabulary."""
     inputs = sequence[:, :-1].to(model.device)
-    kwargs = {"logits_to_keep": count} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
-    logits = model(input_ids=inputs, use_cache=False, **kwargs).logits[0, -count:].float().cpu()
+    if hasattr(model, "teacher_forced"):  # a draft head: fed its verifier's features over the same text
+        logits = model.teacher_forced(inputs)[0, -count:].float().cpu()
+    else:
+        kwargs = {"logits_to_keep": count} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
+        logits = model(input_ids=inputs, use_cache=False, **kwargs).logits[0, -count:].float().cpu()
     if logits.shape[1] < vocab:
         logits = torch.nn.functional.pad(logits, (0, vocab - logits.shape[1]), value=float("-inf"))
     return logits[:, :vocab]
