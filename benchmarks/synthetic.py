@@ -20,6 +20,11 @@ model a structure:
   token is in none of them: on a fraction ``1 - (L - n) m / V`` of the tokens, set by ``m``
   (`TargetConstruction.exit_agreement`).
 
+`build_eagle3_head` gives such a target a random-weight EAGLE-3 head of the real head's shape (one
+decoder layer over ``2 * hidden``, an ``fc`` over three layers' states, a reduced draft vocabulary), whose
+greedy draft is the target's greedy token after a set fraction of the tokens (its *agreement*), written as
+a speculators checkpoint and loaded through `hf_polybasic.levels.draft_head`, as a user loads one.
+
 `ReferenceDrafter` is a bottom level whose acceptance rate and cost are set, not measured: it
 proposes the target's own greedy continuation (looked up in a reference computed beforehand by
 plain ``generate``, i.e. it cheats, as a benchmark instrument may), each token right with
@@ -40,7 +45,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from hf_polybasic.drafters import Drafter
-from hf_polybasic.levels import early_exit
+from hf_polybasic.levels import draft_head, early_exit
 
 PAD, BOS, EOS = 0, 1, 2
 FIRST_TOKEN = 3  # ids below are special: never in a prompt, never predicted by the skeleton
@@ -218,6 +223,146 @@ def _damp_random_layers(model: torch.nn.Module, generator: torch.Generator) -> N
     for layer in layers:
         layer.self_attn.o_proj.weight.mul_(scale)
         layer.mlp.down_proj.weight.mul_(scale)
+
+
+HEAD_QUERY = 3.0  # the head's attention scores a position of the same token this many sqrt(head_dim) above others
+HEAD_ATTENTION = 8.0  # its attention output over the residual it adds to (its fed-back, normed feature)
+HEAD_LOGIT = 12.0  # its logit for the token it drafts (others about one)
+HEAD_FC = 0.05  # the rms its fc adds from the target's states (random: it costs, barely moves)
+
+
+@dataclass(frozen=True)
+class HeadConstruction:
+    """How `build_eagle3_head` built its head (recorded with the results).
+
+    Attributes:
+        agreement: the fraction of tokens after which the head's greedy draft is the target's greedy token.
+        draft_vocab_size: ids the head can propose.
+        layers: the target's hidden states it reads (`hf_polybasic.heads.base` indices).
+        seed: of every random draw.
+    """
+
+    agreement: float
+    draft_vocab_size: int
+    layers: tuple[int, ...]
+    seed: int
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@torch.no_grad()
+def next_tokens(target: torch.nn.Module, seed: int = 0, context: int = 4, chunk: int = 1024) -> torch.LongTensor:
+    """``[V]`` the target's greedy token after each token, read after ``context`` random tokens (a
+    `build_target` target's next token is a function of the last one, the skeleton's or a table's
+    override, up to its random layers' noise, which the first position lacks)."""
+    vocab, device = target.config.vocab_size, target.get_input_embeddings().weight.device
+    before = torch.randint(FIRST_TOKEN, vocab, (vocab, context), generator=torch.Generator().manual_seed(seed))
+    rows = torch.cat([before, torch.arange(vocab)[:, None]], dim=1).to(device)
+    return torch.cat([target(rows[i : i + chunk], logits_to_keep=1).logits[:, -1].argmax(-1)
+                      for i in range(0, vocab, chunk)]).cpu()
+
+
+@torch.no_grad()
+def build_eagle3_head(target: torch.nn.Module, directory, agreement: float, draft_vocab_size: int | None = None,
+                      seed: int = 0):
+    """A random-weight EAGLE-3 head for ``target`` (a `build_target` target) whose greedy draft after
+    reading a token is the target's greedy token on a random ``agreement`` of the tokens and another
+    token after the rest. Written to ``directory`` as speculators writes an EAGLE-3 checkpoint (``norm_output``:
+    its normed output is fed back, so each draft depends on the token it reads, not on the ones before) and
+    loaded with `hf_polybasic.levels.draft_head`. Returns ``(level, HeadConstruction)``.
+
+    The construction: its attention projections make a position attend to the positions of its own token
+    (query and key are both that token's normed embedding, so their score stands out by
+    `HEAD_QUERY` sqrt(head_dim)) and carry that embedding to the output; its LM head row of each draft id
+    is the sum of those outputs over the tokens after which it drafts that id. Its ``fc`` and MLP are
+    random and small (they cost what they cost). A draft vocabulary (default: 32000 ids, or fewer for a
+    smaller vocabulary) must hold the tokens it agrees on: a random walk meets tokens uniformly, unlike text,
+    so an agreement above ``draft_vocab_size / V`` needs a larger one."""
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    config = target.config
+    vocab, hidden, layers = config.vocab_size, config.hidden_size, config.num_hidden_layers
+    if layers < 4:
+        raise ValueError(f"an EAGLE-3 head reads three layers' states; the target has {layers} layers")
+    ids = [2, layers // 2, layers - 3] if layers >= 7 else [1, 2, 3]  # speculators' ids: inputs of those layers
+    heads, head_dim = config.num_attention_heads, config.hidden_size // config.num_attention_heads
+    kv_heads = config.num_key_value_heads if config.num_key_value_heads * head_dim >= 512 else heads  # tokens apart
+    generator = torch.Generator().manual_seed(seed)
+    successor = next_tokens(target, seed)  # [V]
+    candidates = FIRST_TOKEN + torch.randperm(vocab - FIRST_TOKEN, generator=generator)
+    agreeing = candidates[: round(agreement * (vocab - FIRST_TOKEN))]
+    needed = successor[agreeing].unique()
+    size = draft_vocab_size or max(min(32000, vocab // 4), needed.numel())
+    if size < needed.numel() or size > vocab:
+        raise ValueError(f"an EAGLE-3 head agreeing after {agreement} of {vocab} tokens drafts {needed.numel()} distinct "
+                         f"tokens: draft_vocab_size must be in {needed.numel()} .. {vocab}, got {size}")
+    others = torch.ones(vocab, dtype=torch.bool)
+    others[needed] = False
+    others = torch.nonzero(others).flatten()
+    draft = torch.cat([needed, others[torch.randperm(others.numel(), generator=generator)[: size - needed.numel()]]])
+    draft = draft.sort().values  # [size] the verifier id of each draft id
+    drafted = draft[torch.randint(size, (vocab,), generator=generator)]  # what it drafts after each token ...
+    clash = drafted == successor
+    drafted[clash] = draft[(torch.searchsorted(draft, drafted[clash]) + 1) % size]  # ... never the target's ...
+    drafted[agreeing] = successor[agreeing]  # ... except after the tokens it agrees on
+    row = torch.searchsorted(draft, drafted)  # [V] its draft id after each token
+
+    dtype = target.get_input_embeddings().weight.dtype
+    groups = torch.arange(heads) // (heads // kv_heads)  # the key/value head of each query head
+
+    def normal(*shape, std):
+        return (torch.randn(*shape, generator=generator) * std).to(dtype)
+
+    eye = torch.eye(head_dim)
+    q, k = torch.zeros(heads * head_dim, 2 * hidden), torch.zeros(kv_heads * head_dim, 2 * hidden)
+    for head, group in enumerate(groups.tolist()):  # the embedding half: head h reads its group's coordinates
+        q[head * head_dim : (head + 1) * head_dim, group * head_dim : (group + 1) * head_dim] = HEAD_QUERY * eye
+    for group in range(kv_heads):
+        k[group * head_dim : (group + 1) * head_dim, group * head_dim : (group + 1) * head_dim] = eye
+    # the attention's output for a token: its normed embedding's coordinates of each head's group, times HEAD_ATTENTION
+    embeddings = target.get_input_embeddings().weight.float().cpu()
+    normed = embeddings * torch.rsqrt(embeddings.pow(2).mean(-1, keepdim=True) + config.rms_norm_eps)
+    carried = normed[:, (groups[:, None] * head_dim + torch.arange(head_dim)).flatten()]  # [V, heads * head_dim]
+    lm_head = torch.zeros(size, hidden).index_add_(0, row[FIRST_TOKEN:], carried[FIRST_TOKEN:])
+    state = {
+        "fc.weight": normal(hidden, 3 * hidden, std=HEAD_FC / math.sqrt(3 * hidden)),
+        "layers.0.input_layernorm.weight": torch.ones(hidden, dtype=dtype),
+        "layers.0.hidden_norm.weight": torch.ones(hidden, dtype=dtype),
+        "layers.0.post_attention_layernorm.weight": torch.ones(hidden, dtype=dtype),
+        "layers.0.self_attn.q_proj.weight": q.to(dtype),
+        "layers.0.self_attn.k_proj.weight": k.to(dtype),
+        "layers.0.self_attn.v_proj.weight": k.to(dtype).clone(),
+        "layers.0.self_attn.o_proj.weight": (HEAD_ATTENTION * torch.eye(hidden, heads * head_dim)).to(dtype),
+        "layers.0.mlp.gate_proj.weight": normal(config.intermediate_size, hidden, std=INIT_STD),
+        "layers.0.mlp.up_proj.weight": normal(config.intermediate_size, hidden, std=INIT_STD),
+        "layers.0.mlp.down_proj.weight": normal(hidden, config.intermediate_size, std=INIT_STD / 20),
+        "norm.weight": torch.ones(hidden, dtype=dtype),
+        "lm_head.weight": (HEAD_LOGIT / hidden * lm_head).to(dtype),
+        "d2t": draft - torch.arange(size),
+        "t2d": torch.zeros(vocab, dtype=torch.bool).index_fill_(0, draft, True),
+    }
+    layer_config = dict(model_type="llama", vocab_size=vocab, hidden_size=hidden, intermediate_size=config.intermediate_size,
+                        num_hidden_layers=1, num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
+                        rms_norm_eps=config.rms_norm_eps, max_position_embeddings=config.max_position_embeddings,
+                        rope_theta=config.rope_parameters["rope_theta"] if hasattr(config, "rope_parameters")
+                        else config.rope_theta)
+    head_config = dict(speculators_model_type="eagle3", architectures=["Eagle3DraftModel"],
+                       transformer_layer_config=layer_config, draft_vocab_size=size, norm_output=True,
+                       eagle_aux_hidden_state_layer_ids=ids,
+                       speculators_config=dict(algorithm="eagle3", default_proposal_method="greedy",
+                                               proposal_methods=[dict(proposal_type="greedy", speculative_tokens=3)],
+                                               verifier=dict(name_or_path=None, architectures=[type(target).__name__])))
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(head_config, indent=2))
+    save_file({key: value.contiguous() for key, value in state.items()}, str(directory / "model.safetensors"),
+              metadata={"format": "pt"})
+    level = draft_head(str(directory), verifier=target)
+    return level, HeadConstruction(agreement, size, level.head.feature_layers, seed)
 
 
 def random_prompts(lengths: Iterable[int], vocab_size: int, seed: int, key_tokens: int) -> list[list[int]]:

@@ -459,3 +459,29 @@ def test_sampling_with_a_loaded_head_is_the_targets_distribution(reads, distribu
                                       block_threshold=2, cache_implementation="static" if reads == "gpu" else None)
     print(assert_every_level_took_part(stats))
     assert chi_square_p_value(counts, exact_distribution(setting)) > 1e-3
+
+
+def test_the_benchmarks_synthetic_eagle3_head_agrees_as_built(tmp_path):
+    """`benchmarks.synthetic.build_eagle3_head` (a GPU check times a head row with it): written as speculators
+    writes EAGLE-3, loaded through draft_head, its greedy draft is the target's on about the set fraction of
+    the target's own greedy tokens, and a chain with it is exact, its drafts accepted and rejected."""
+    from benchmarks.synthetic import build_eagle3_head, build_target, random_prompts
+
+    target, construction = build_target("tiny", "cpu", torch.float32, draft_layers=2, draft_agreement=0.8, seed=0)
+    level, built = build_eagle3_head(target, tmp_path / "head", agreement=0.6, seed=1)
+    hidden = target.config.hidden_size
+    assert built.layers == level.head.feature_layers == (1, 2, 3)
+    assert level.head.fc.weight.shape == (hidden, 3 * hidden) and level.head.lm_head.weight.shape[0] == built.draft_vocab_size
+    agreed = total = 0
+    for prompt_ids in random_prompts([8, 12, 16], construction.vocab_size, seed=2, key_tokens=8):
+        ids = torch.tensor([prompt_ids])
+        text = target.generate(ids, max_new_tokens=48, do_sample=False, pad_token_id=PAD, eos_token_id=None)
+        with torch.no_grad():  # the head's draft after each generated token, every feature the target's
+            drafts = level.teacher_forced(text)[0].argmax(-1)  # [L]: position j's draft of the token at j + 1
+        agreed += int((drafts[ids.shape[1] : -1] == text[0, ids.shape[1] + 1 :]).sum())
+        total += text.shape[1] - ids.shape[1] - 1
+        out = _generate(target, ids, torch.ones_like(ids), [level], do_sample=False, max_new_tokens=48,
+                        eos_token_id=None)
+        assert torch.equal(out.sequences, text)
+        assert_every_level_took_part(out.polybasic_stats)
+    assert agreed / total == pytest.approx(0.6, abs=0.12), (agreed, total)
