@@ -289,6 +289,12 @@ class SpeculatorsEagle(nn.Module):
 
 
 # --- configs and files, as each publisher writes them ---------------------------------------------------
+def rope_theta(config) -> float:
+    """The RoPE base of a transformers config (``rope_parameters`` from transformers 5, ``rope_theta`` before)."""
+    parameters = getattr(config, "rope_parameters", None)
+    return parameters["rope_theta"] if parameters else config.rope_theta
+
+
 def llama_fields(verifier, **extra) -> dict:
     """The Llama config fields of a one-layer head of ``verifier``'s width (as EAGLE's train configs,
     e.g. SafeAILab/EAGLE eagle/train/EAGLE-LLaMA3-Instruct-8B, write them)."""
@@ -299,7 +305,7 @@ def llama_fields(verifier, **extra) -> dict:
                   num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=1, pad_token_id=0,
                   rms_norm_eps=1e-05, tie_word_embeddings=False, torch_dtype="float16",
                   transformers_version="4.28.1", use_cache=True, vocab_size=config.vocab_size,
-                  rope_theta=config.rope_parameters["rope_theta"] if hasattr(config, "rope_parameters") else config.rope_theta)
+                  rope_theta=rope_theta(config))
     fields.update(extra)
     return fields
 

@@ -25,6 +25,7 @@ from published_heads import (
     SpeculatorsEagle3,
     _random_,
     llama_fields,
+    rope_theta,
     write_pretrained,
     write_safeailab,
 )
@@ -54,7 +55,7 @@ def _speculators_config(verifier, kind: str, **fields) -> dict:
     layer_config = dict(model_type="llama", vocab_size=config.vocab_size, hidden_size=config.hidden_size,
                         intermediate_size=2 * config.hidden_size, num_hidden_layers=1, num_attention_heads=4,
                         num_key_value_heads=2, rms_norm_eps=1e-05, max_position_embeddings=2048,
-                        rope_theta=config.rope_parameters["rope_theta"])
+                        rope_theta=rope_theta(config))
     layer_config.update(fields.pop("layer", {}))
     return dict(speculators_model_type=kind, speculators_version="0.3.0",
                 architectures=["Eagle3DraftModel" if kind == "eagle3" else "EagleSpeculator"],
