@@ -375,19 +375,20 @@ def loaded_chain(shared_models, tmp_path_factory):
 
 
 def _generate(target, ids, mask, chain, runner="dynamic", draft_tokens=4, **options):
+    config = hp.PolybasicConfig(schedule="constant", num_draft_tokens=draft_tokens, block_threshold=3,
+                                compile=runner == "compiled")
     call = dict(assistant_models=list(chain), custom_generate=hp.generate, return_dict_in_generate=True,
-                pad_token_id=PAD, polybasic_config=hp.PolybasicConfig(schedule="constant", num_draft_tokens=draft_tokens,
-                                                                      block_threshold=3))
+                pad_token_id=PAD, polybasic_config=config)
     if runner == "static":
         call["cache_implementation"] = "static"
     return target.generate(ids, attention_mask=mask, **call, **options)
 
 
-@pytest.mark.parametrize("runner", ["dynamic", "static"])
+@pytest.mark.parametrize("runner", ["dynamic", "static", pytest.param("compiled", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("depth", [2, 3])
 def test_greedy_output_with_a_loaded_head_is_plain_generates(depth, runner, loaded_chain):
     """One row and a left-padded ragged batch; the head at the bottom of 2 levels (reading the target's
-    states) and of 3 (reading the noisy copy's)."""
+    states) and of 3 (reading the noisy copy's); dynamic, static and compiled runners."""
     target, copy, head = loaded_chain
     chain = [head] if depth == 2 else [copy, head]
     rows = [prompt(length, seed=90 + length)[0] for length in (7, 2, 5)]
@@ -396,7 +397,8 @@ def test_greedy_output_with_a_loaded_head_is_plain_generates(depth, runner, load
         out = _generate(target, ids, mask, chain, runner, **options)
         assert torch.equal(out.sequences, target.generate(ids, attention_mask=mask, pad_token_id=PAD, **options))
         print(depth, runner, ids.shape[0], assert_every_level_took_part(out.polybasic_stats))
-    assert out.polybasic_stats.levels[-1].runner.startswith("static" if runner == "static" else "dynamic")
+    assert out.polybasic_stats.levels[-1].runner == {"dynamic": "dynamic", "static": "static",
+                                                      "compiled": "static, compiled"}[runner]
 
 
 def test_a_loaded_head_drafts_what_the_target_samples(shared_models, tmp_path_factory):

@@ -57,6 +57,7 @@ class EagleHead(DraftHead):
             self.embedding_norm = norm(width, eps=config.rms_norm_eps) if extra_norms else None
             self.output_norm = norm(width, eps=config.rms_norm_eps) if extra_norms else None
         self.own_embedding = None
+        self._cache_argument = compat.cache_argument(self.decoder)  # the release's name (read once: not in a graph)
         self._shared = (verifier.embeddings, verifier.lm_head)
 
     def forward(self, input_ids, features, *, position_ids, attention_mask, cache, use_cache=True):
@@ -66,7 +67,7 @@ class EagleHead(DraftHead):
             embeds = self.embedding_norm(embeds)
         hidden = self.decoder(inputs_embeds=self.fc(torch.cat([embeds, features], dim=-1)), position_ids=position_ids,
                               attention_mask=attention_mask, use_cache=use_cache,
-                              **{compat.cache_argument(self.decoder): cache}).last_hidden_state
+                              **{self._cache_argument: cache}).last_hidden_state
         out = hidden if self.output_norm is None else self.output_norm(hidden)
         return lm_head(out).float(), hidden
 

@@ -63,6 +63,7 @@ class Eagle3Head(DraftHead):
             self.norm = norm(width, eps=eps)
             self.lm_head = torch.nn.Linear(width, draft_vocab, bias=False)
         self.own_embedding = None
+        self._cache_argument = compat.cache_argument(self.decoder)  # the release's name (read once: not in a graph)
         # [draft_vocab] the verifier's id of each draft id (None: the same ids); computed, in no state dict
         self.register_buffer("target_ids", None, persistent=False)
         self._shared = (verifier.embeddings,)
@@ -80,7 +81,7 @@ class Eagle3Head(DraftHead):
         embeds = (embeddings if self.own_embedding is None else self.own_embedding)(input_ids).to(features.dtype)
         hidden = self.decoder(inputs_embeds=torch.cat([embeds, features], dim=-1), position_ids=position_ids,
                               attention_mask=attention_mask, use_cache=use_cache,
-                              **{compat.cache_argument(self.decoder): cache}).last_hidden_state
+                              **{self._cache_argument: cache}).last_hidden_state
         normed = self.norm(hidden)
         logits = self.lm_head(normed if self.normed_logits else hidden).float()  # [B, n, draft_vocab]
         return self._in_verifier_ids(logits), normed if self.feeds_back_normed else hidden
