@@ -63,7 +63,8 @@ def rotary(head_dim, base, positions):  # LlamaRotaryEmbedding's cos/sin caches,
 
 class LlamaAttention(nn.Module):
     """cnets1.py LlamaAttention (``qkv_bias`` where the config has it); ``inputs = 2`` is cnets.py's, which
-    projects ``2 * hidden``. ``forward``: the causal attention of a prefill, no cache."""
+    projects ``2 * hidden``; a ``qwen3`` config adds Qwen3's per-head ``q_norm``/``k_norm`` (speculators'
+    Qwen3DecoderEagle3FirstLayer). ``forward``: the causal attention of a prefill, no cache."""
 
     def __init__(self, config, inputs=1):
         super().__init__()
@@ -76,11 +77,17 @@ class LlamaAttention(nn.Module):
         self.k_proj = nn.Linear(inputs * self.hidden_size, self.num_key_value_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(inputs * self.hidden_size, self.num_key_value_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, self.hidden_size, bias=False)
+        if config.get("model_type") == "qwen3":
+            self.q_norm = LlamaRMSNorm(self.head_dim, eps=config["rms_norm_eps"])
+            self.k_norm = LlamaRMSNorm(self.head_dim, eps=config["rms_norm_eps"])
 
     def forward(self, hidden_states, position_ids):
         bsz, q_len, _ = hidden_states.size()
-        q = self.q_proj(hidden_states).view(bsz, q_len, self.num_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(hidden_states).view(bsz, q_len, self.num_key_value_heads, self.head_dim).transpose(1, 2)
+        q = self.q_proj(hidden_states).view(bsz, q_len, self.num_heads, self.head_dim)
+        k = self.k_proj(hidden_states).view(bsz, q_len, self.num_key_value_heads, self.head_dim)
+        if hasattr(self, "q_norm"):  # Qwen3Attention: normed per head, before the rotary embedding
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = self.v_proj(hidden_states).view(bsz, q_len, self.num_key_value_heads, self.head_dim).transpose(1, 2)
         cos, sin = rotary(self.head_dim, self.rope_theta, position_ids)
         q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin

@@ -105,9 +105,10 @@ def specforge_eagle3(directory, verifier, ids=(1, 3, 5), draft_vocab=64, fc_norm
     return write_pretrained(directory, config, module), module  # export_to_hf: with the embeddings
 
 
-def speculators_eagle3(directory, verifier, ids=(1, 4, 6), draft_vocab=64, layers=2, **options):
+def speculators_eagle3(directory, verifier, ids=(1, 4, 6), draft_vocab=64, layers=2, layer=None, **options):
     options = dict(dict(norm_before_residual=True, norm_before_fc=True, norm_output=True), **options)
-    config = _speculators_config(verifier, "eagle3", layer=dict(num_hidden_layers=layers), draft_vocab_size=draft_vocab,
+    config = _speculators_config(verifier, "eagle3", layer=dict(num_hidden_layers=layers, **(layer or {})),
+                                 draft_vocab_size=draft_vocab,
                                  eagle_aux_hidden_state_layer_ids=list(ids), target_hidden_size=None,
                                  embed_requires_grad=False, **options)
     module = _random_(SpeculatorsEagle3(config), seed=6)
@@ -143,6 +144,8 @@ FORMATS = {
     "speculators eagle3 (2 layers, EAGLE-3.1 norms)": (speculators_eagle3, {}),
     "speculators eagle3 (fc_norm, full vocabulary)": (speculators_eagle3, dict(
         norm_before_fc=False, fc_norm=True, norm_output=False, draft_vocab=96, layers=1)),
+    "speculators eagle3 (Qwen3 layers)": (speculators_eagle3, dict(
+        layer=dict(model_type="qwen3", head_dim=8), norm_before_fc=False, norm_output=False)),
     "speculators eagle (HASS layernorms, fusion bias)": (speculators_eagle, {}),
     "speculators eagle (EAGLE-1)": (speculators_eagle, dict(layernorms=False, fusion_bias=False)),
 }
@@ -326,6 +329,23 @@ def test_missing_files_are_named(deep, tmp_path):
     (tmp_path / "empty" / "config.json").write_text("{}")
     with pytest.raises(ValueError, match=r"has no weights \(model.safetensors or pytorch_model.bin"):
         draft_head(str(tmp_path / "empty"), verifier=deep)
+
+
+def test_a_sharded_checkpoint_loads_as_one(deep, tmp_path):
+    """Shards and their index, as save_pretrained writes a checkpoint over its shard size."""
+    from safetensors.torch import load_file, save_file
+
+    directory, _ = specforge_eagle3(tmp_path / "head", deep)
+    whole = load_file(directory / "model.safetensors")
+    (directory / "model.safetensors").unlink()
+    keys, weight_map = sorted(whole), {}
+    for index, part in enumerate((keys[: len(keys) // 2], keys[len(keys) // 2 :]), 1):
+        name = f"model-0000{index}-of-00002.safetensors"
+        save_file({key: whole[key] for key in part}, str(directory / name), metadata={"format": "pt"})
+        weight_map.update({key: name for key in part})
+    (directory / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    head = draft_head(str(directory), verifier=deep).head
+    torch.testing.assert_close(head.fc.weight, whole["fc.weight"])
 
 
 def test_a_hub_id_loads_offline_from_the_hf_cache(deep, tmp_path, monkeypatch):
