@@ -195,10 +195,10 @@ def compile_options(device: torch.device) -> dict:
 # graphs a compiled forward may keep: one per width and batch size (dynamo's default allows 8 per
 # function; each model's forward is a function of its own)
 GRAPHS_PER_MODEL = 8 * len(WIDTHS)
-# forwards of a new graph that are not timed into the cost curves: the one that compiles it and, on a
-# GPU, the one that captures its CUDA graph (mode "reduce-overhead" warms up at the first run, records
-# at the second); only replays price a compiled forward
-GRAPH_SETUP_RUNS = 2
+# forwards of a new graph that are not timed into the cost curves, by device type: the one that
+# compiles it and, on a GPU, the one that captures its CUDA graph (mode "reduce-overhead" warms up at
+# the first run, records at the second); only replays price a compiled forward
+GRAPH_SETUP_RUNS = {"cuda": 2}
 
 
 def forward_for(model, compiled: bool, float_mask: bool, layers: tuple[int, ...] | None = None) -> Callable:
@@ -397,12 +397,12 @@ class StaticRunner(RunnerBase):
             self.cache.graph_runs[width] += 1
             try:
                 with self._timed_forward(self.rows * width, self.rows,
-                                         observed=self.cache.graph_runs[width] > GRAPH_SETUP_RUNS):
+                                         observed=self.cache.graph_runs[width] > GRAPH_SETUP_RUNS.get(self.device.type, 1)):
                     logits = self._compiled(self.model, input_ids, position_ids, slots, self.cache)
             except Exception as error:  # noqa: BLE001 - compiling, capturing or replaying failed: `_fall_back`
                 logits = self._fall_back(error, input_ids, position_ids, slots)
-        else:
-            with self._timed_forward(self.rows * width, self.rows):
+        else:  # a compiled runner's uncompiled forwards (a prefill, a width past the graph limit) price no compiled one
+            with self._timed_forward(self.rows * width, self.rows, observed=self._compiled is None):
                 logits = self._plain_forward(input_ids, position_ids, slots)
         self._hidden = None
         if self.features is not None:  # [rows, width, F], a copy: a CUDA graph's output is overwritten by its next replay
