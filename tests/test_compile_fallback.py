@@ -163,3 +163,16 @@ def test_a_failed_forward_leaves_nothing_a_rerun_would_see(monkeypatch):
         assert len([w for w in caught if "a compiled forward of target" in str(w.message)]) == 1
     finally:
         runner.close()
+
+
+def test_the_errors_page_quotes_the_warning():
+    from pathlib import Path
+
+    model = torch.nn.Linear(1, 1)
+    with pytest.warns(UserWarning) as caught:
+        cause = fallback.record_failure(model, "ROLE", RuntimeError("CAUSE"))
+        assert fallback.record_failure(model, "ROLE", RuntimeError("another")) == cause == "RuntimeError: CAUSE"
+    assert len(caught) == 1  # once per model
+    quoted = str(caught[0].message).replace("ROLE", "<role>").replace(cause, "<error type>: <message>")
+    page = (Path(__file__).resolve().parent.parent / "docs" / "reference" / "errors.md").read_text()
+    assert f"UserWarning: {quoted}\n" in page
