@@ -276,6 +276,9 @@ def _methods(bench: Bench, settings: GpuBenchSettings, drafter_seconds: float, v
                         ("target", "int4", "draft")),
             BenchMethod(polybasic([quantized], [labels["int4"]], default, "ours-2-int4"), ("target", "int4")),
         ]
+    # --- where a trained-head row plugs in (issue 42: a random EAGLE-3 head of the target's shape, built by
+    # benchmarks.synthetic): BenchMethod(polybasic([head], [label], default, "ours-2-head"), ("target", "head")),
+    # with the head in bench.models and its label in bench.labels; add its name to BATCHED_METHODS for batches ---
     methods += [
         BenchMethod(polybasic([two], [repr(two)], constant, "ours-2-synthetic"), ("target", "synthetic"), two),
         BenchMethod(polybasic([half, three], [labels["half"], repr(three)], constant, "ours-3-synthetic"),

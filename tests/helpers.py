@@ -318,3 +318,65 @@ def distilled_head(verifier, layers=(-1,), texts: int = 48, length: int = 24, st
                                 max_new_tokens=length, pad_token_id=PAD, eos_token_id=None)
     distill(core, verifier, samples, steps=steps, lr=1e-2, seed=seed)
     return HeadModel(core, name=f"tiny head {layers}", verifier=verifier)
+
+
+# --- compiled forwards that fail (test_compile_fallback, test_gpu_path) ----------------------------
+COMPILE_FAILURES = ("compile", "capture", "first replay", "recompile limit")
+
+
+def inject_compile_failure(monkeypatch, failure: str, victim) -> None:
+    """Make compiled forwards of ``victim`` fail as ``failure`` (one of `COMPILE_FAILURES`) does:
+
+    * "compile": the backend raises while it compiles one of the victim's graphs (as inductor or Triton
+      do), so dynamo raises its ``BackendCompilerFailed`` from the call (other models' graphs run as
+      dynamo traced them: the eager backend);
+    * "capture" / "first replay": the compiled forward raises at the second run of a width (where
+      mode "reduce-overhead" captures its CUDA graph) / at the third (its first replay), after writing
+      NaN at every slot it writes (what a failed run may leave behind), in the middle of a call whose
+      earlier forwards ran compiled;
+    * "recompile limit": dynamo's own limit is one graph per forward and the runner's own count is
+      off, so every model's second width meets dynamo's limit (``FailOnRecompileLimitHit``): every
+      model that decodes with two widths fails, whoever ``victim`` is.
+    """
+    from hf_polybasic.runners import static
+
+    if failure == "compile":
+        victims = {id(p) for p in victim.parameters()}
+
+        def failing_backend(graph, example_inputs):  # other models' graphs run as dynamo traced them
+            if any(id(x) in victims for x in example_inputs):
+                raise RuntimeError("injected: Triton compilation failed (an inductor error at compile)")
+            return graph.forward
+
+        monkeypatch.setattr(static, "compile_options", lambda device: {"backend": failing_backend, "dynamic": False})
+    elif failure == "recompile limit":
+        monkeypatch.setattr(static, "GRAPHS_PER_MODEL", 1)
+        monkeypatch.setattr(static, "_may_make_graph", lambda model, role: True)
+    elif failure in ("capture", "first replay"):
+        failing_run = 2 if failure == "capture" else 3
+        forward_for = static.forward_for
+
+        def failing_forward_for(model, compiled, float_mask, layers=None):
+            forward = forward_for(model, compiled, float_mask, layers)
+            if not (compiled and model is victim):
+                return forward
+            runs: dict[int, int] = {}
+
+            def failing(model, input_ids, position_ids, slots, cache):
+                width = input_ids.shape[1]
+                runs[width] = runs.get(width, 0) + 1
+                if runs[width] == failing_run:
+                    rows = slots.shape[0]
+                    for layer in cache.layers:
+                        for tensor in (layer.keys, layer.values):
+                            index = slots.view(rows, 1, width, 1).expand(rows, tensor.shape[1], width, tensor.shape[3])
+                            tensor.scatter_(2, index, torch.full(index.shape, float("nan"), dtype=tensor.dtype,
+                                                                  device=tensor.device))
+                    raise RuntimeError(f"injected: CUDA error: operation failed during the {failure} of a graph")
+                return forward(model, input_ids, position_ids, slots, cache)
+
+            return failing
+
+        monkeypatch.setattr(static, "forward_for", failing_forward_for)
+    else:
+        raise ValueError(f"failure must be one of {COMPILE_FAILURES}, got {failure!r}")

@@ -43,7 +43,10 @@ def test_a_measured_curve_is_stored_and_found_by_the_next_process(tmp_path, mode
 
 def test_a_static_runner_has_curves_of_its_own_measured_through_it(tmp_path, model):
     """A compiled static runner's T(k) is another curve (padded widths, graphs): kept under its own key
-    and measured through that runner; the dynamic one's is untouched."""
+    and measured through the static runner uncompiled (no graph for a width decoding may never use),
+    every point listed as such until compiled forwards price it; the dynamic one's is untouched."""
+    from hf_polybasic.costs.store import UNCOMPILED_POINTS
+
     kinds = []
 
     def measure(model, clock=None, runner="dynamic", capacity=None):
@@ -54,8 +57,10 @@ def test_a_static_runner_has_curves_of_its_own_measured_through_it(tmp_path, mod
     store.curve_for(model, runner="compiled")
     store.curve_for(model)
     store.curve_for(model, runner="compiled")
-    assert kinds == ["compiled", "dynamic"]
+    assert kinds == ["static", "dynamic"]
     assert sorted(p.name for p in tmp_path.iterdir()) == [f"{cost_key(model)}-compiled.json", f"{cost_key(model)}.json"]
+    stored = CostCurves(tmp_path, measure=measure).curve_for(model, runner="compiled")  # a new process: from disk
+    assert stored.description == {"runner": "compiled", UNCOMPILED_POINTS: [1, 2, 4, 8, 16]}
 
 
 def test_measuring_through_a_static_runner_pads_to_its_widths(model):
@@ -253,3 +258,39 @@ def test_refreshes_from_call_after_call_converge_on_what_forwards_cost():
         assert all(1 / MAX_REFRESH_FACTOR - 1e-9 <= curve.points[k] / smooth[k] <= MAX_REFRESH_FACTOR + 1e-9 for k in ks)
     for k, seconds in truth.items():
         assert curve.points[k] == pytest.approx(seconds, rel=0.15)
+
+
+def test_compiled_forwards_price_a_curve_measured_uncompiled_in_full():
+    """A compiled runner's points measured uncompiled take what one call's compiled forwards cost, in
+    full (however few, however far from the uncompiled measurement: MAX_REFRESH_FACTOR does not hold
+    them back), the points those forwards priced leave the list, and from then on a point moves as
+    any other (bounded); a curve measured compiled keeps the bounded refresh."""
+    from hf_polybasic.costs import CostEstimate
+    from hf_polybasic.costs.store import MAX_REFRESH_FACTOR, UNCOMPILED_POINTS
+
+    model = make_target("llama", seed=4)
+    store = CostCurves(None, measure=lambda *args, **kwargs: CostCurve({1: 0.04, 2: 0.04, 4: 0.04, 8: 0.05, 16: 0.06}))
+    curve = store.curve_for(model, runner="compiled")
+    estimate = CostEstimate(curve)
+    for tokens in (4, 4, 8):  # compiled forwards ten times cheaper, at widths 4 and 8 only
+        estimate.observe(tokens, curve.seconds(tokens) / 10)
+    store.refresh(model, estimate, runner="compiled")
+    assert curve.points == pytest.approx({1: 0.004, 2: 0.004, 4: 0.004, 8: 0.005, 16: 0.006})
+    assert curve.description[UNCOMPILED_POINTS] == [1, 2, 16]
+    again = CostEstimate(curve)
+    for tokens in (1, 2, 16):  # compiled forwards at the other widths, as the curve says
+        again.observe(tokens, curve.seconds(tokens))
+    store.refresh(model, again, runner="compiled")
+    assert curve.description[UNCOMPILED_POINTS] == []
+    before, third = dict(curve.points), CostEstimate(curve)
+    for tokens in (4, 4):  # listed no more: two forwards ten times cheaper move every point a little
+        third.observe(tokens, curve.seconds(tokens) / 10)
+    store.refresh(model, third, runner="compiled")
+    assert curve.points == pytest.approx({k: v * 0.1 ** (2 / 50) for k, v in before.items()})
+    measured_compiled = CostCurves(None, measure=lambda *args, **kwargs: CostCurve({1: 0.04, 2: 0.04}))
+    other = measured_compiled.curve_for(model)  # the dynamic runner's: no uncompiled points
+    estimate = CostEstimate(other)
+    for _ in range(60):
+        estimate.observe(1, 0.004)
+    measured_compiled.refresh(model, estimate)
+    assert other.points[1] == pytest.approx(0.04 / MAX_REFRESH_FACTOR)

@@ -198,3 +198,42 @@ def test_settings_that_would_fail_later_are_refused_before_building(capsys):
     assert cli.main(["gpu-bench", "--device", "cpu", "--tiny", "--acceptance", "1.5", "--prompt-lengths", "4"]) == 2
     error = capsys.readouterr().err
     assert "--acceptance must be in [0, 1]" in error and "--prompt-lengths must each be at least 8 tokens" in error
+
+
+def _gpu_check():
+    """tools/gpu_check.py (a script, not a package module), imported by path."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "tools" / "gpu_check.py"
+    spec = importlib.util.spec_from_file_location("gpu_check", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_gpu_check_compares_every_method_on_the_cpu(tmp_path, capsys):
+    """`make gpu-check`'s script on tiny CPU models (issue 45): plain static generate, transformers'
+    assisted decoding on a static cache (>= 5.24) and ours over the same prompts, every output
+    identical to plain static generate's, each method's first calls timed apart; the report says each."""
+    gpu_check = _gpu_check()
+    assert gpu_check.main(["--device", "cpu", "--tiny", "--output", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "gpu-check.json").read_text())
+    chain = report["chain"]
+    expected = set(gpu_check.METHODS) - ({"hf-assisted-static"} if not compat.ASSISTED_DECODING_TAKES_STATIC_CACHE else set())
+    assert set(chain["methods"]) == expected and "cut_short" not in chain
+    for name, row in chain["methods"].items():
+        assert row["identical"] == "2 of 2" and row["tok_s"] > 0 and len(row["first_calls_s"]) == 2, name
+        assert row["over_plain_static"] > 0
+    assert chain["first_call"]["runners"] == ["static, compiled"] * 2
+    printed = capsys.readouterr().out
+    assert "| ours-default |" in printed and "over transformers' assisted, static" in printed
+    assert (tmp_path / "gpu-check.md").read_text().strip() in printed
+
+
+def test_the_gpu_check_refuses_a_method_it_does_not_know(capsys):
+    """Before anything runs (a GPU's minutes are not spent on a typo)."""
+    gpu_check = _gpu_check()
+    with pytest.raises(SystemExit):
+        gpu_check.main(["--device", "cpu", "--tiny", "--methods", "ours-default,ours-head"])
+    assert "--methods: unknown ours-head; choose from plain-static, hf-assisted-static, ours-default" in capsys.readouterr().err

@@ -126,3 +126,21 @@ def test_a_three_level_round_waits_for_the_gpu_at_most_twice(config, cuda_graphs
         assert levels[1].device_rounds > 0
     rounds = levels[0].forward_passes
     assert len(syncs) <= 2 * rounds + SYNCS_PER_CALL, (len(syncs), rounds, sorted(set(syncs))[:5])
+
+
+@pytest.mark.parametrize("failure", ["capture", "first replay"])
+def test_a_graph_that_fails_under_cuda_graphs_falls_back_exactly(failure, cuda_graphs, monkeypatch):
+    """A compiled forward of the target that fails after its CUDA graphs ran (issue 45): the forward runs
+    again uncompiled on the same cache (graph-managed memory included), every later one too; the output
+    is plain generate's, one warning says so, the statistics name the runner."""
+    from helpers import inject_compile_failure
+
+    target, draft = _chain(2, seed=47)
+    inject_compile_failure(monkeypatch, failure, target)
+    ids = prompt(9, seed=9).cuda()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = _generate(target, [draft], ids, 40, hp.PolybasicConfig(schedule="constant", num_draft_tokens=4))
+    assert torch.equal(out.sequences, _plain(target, ids, 40))
+    assert len([w for w in caught if "a compiled forward of target" in str(w.message)]) == 1
+    assert [level.runner for level in out.polybasic_stats.levels] == ["static, compile failed", "static, compiled"]

@@ -297,6 +297,33 @@ def test_a_second_call_with_a_head_compiles_no_graph(head_chain):
     assert graphs[0] > 0 and graphs[1] == 0, graphs
 
 
+def test_a_compiled_head_makes_graphs_per_width_not_per_round():
+    """The head's features are fed outside its compiled forward (`hf_polybasic.runners.head._fed`): a
+    traced feed guarded on each round's positions and made a graph per round, until dynamo's recompile
+    limit made the head fall back uncompiled (issue 45). Over calls of other prompts and budgets, at
+    most two graphs (its forward either side of the feed) per new (model, width), none for a call that
+    meets no new width, and every level stays compiled."""
+    from torch._dynamo.utils import counters
+
+    target, copy = tiny_chain("llama", 2, seed=5, noises=(0.08,))
+    head = distilled_head(target, steps=40)
+    seen, graphs, new_pairs = set(), [], []
+    for length, budget in [(7, 16), (11, 30), (7, 16)]:  # the third meets no new width
+        ids = prompt(length, seed=length)
+        before = counters["stats"]["unique_graphs"]
+        out = _generate(target, ids, torch.ones_like(ids), [head], "compiled", do_sample=False, max_new_tokens=budget,
+                        eos_token_id=None)
+        assert torch.equal(out.sequences, target.generate(ids, do_sample=False, max_new_tokens=budget, eos_token_id=None,
+                                                          pad_token_id=PAD))
+        assert [level.runner for level in out.polybasic_stats.levels] == ["static, compiled"] * 2
+        pairs = {(index, width) for index, level in enumerate(out.polybasic_stats.levels) for width in level.forward_widths}
+        graphs.append(counters["stats"]["unique_graphs"] - before)
+        new_pairs.append(len(pairs - seen))
+        seen |= pairs
+    assert all(made <= 2 * new for made, new in zip(graphs, new_pairs)), (graphs, new_pairs)
+    assert graphs[-1] == 0
+
+
 def test_the_planner_measures_a_head_on_its_verifiers_features(head_chain):
     """`hp.profile` reads a head as it drafts: teacher-forced on the target's own text with the target's
     hidden states as its features (`HeadModel.teacher_forced`: the logits its runner computes with every

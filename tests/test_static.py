@@ -10,6 +10,7 @@ and ``PolybasicConfig(compile=...)`` sees. Compiled forwards trace with dynamo's
 from __future__ import annotations
 
 import copy
+import math
 import threading
 import warnings
 
@@ -280,14 +281,14 @@ def test_compiled_forwards_make_one_graph_per_width_once(shared_models):
     assert all(seen) and calls[-1][0].shape[1] > max(WIDTHS)  # prompts wider than a bucket prefill uncompiled
 
 
-def test_the_first_call_makes_a_graph_per_model_and_width_and_the_next_call_none():
-    """The default (cost-aware) with compiled forwards: the first call measures the target's cost curve
-    through the cache and graphs decoding then uses (its budget needs a larger cache than the
-    measurement alone), so every graph it makes is one (model, width) on the one cache each model
-    keeps; a second call with another prompt length and budget within the same cache tier gets the
-    same caches and makes graphs only for widths they have not met (the capacity is no part of a
-    graph's key). (The drafter, of the target's shape here, shares its measured curve.)"""
-    from hf_polybasic.costs import MEASURED_TOKENS, CostCurves
+def test_a_call_compiles_only_the_widths_it_decodes_with():
+    """The default (cost-aware) with compiled forwards, counted with dynamo's counters (issue 45): the
+    first call measures the models' cost curves through their static runners uncompiled, so every
+    graph it makes is a (model, width) its decoding used, on the one cache each model keeps; a second
+    call with another prompt length and budget within the same cache tier gets the same caches and
+    makes graphs only for widths they have not met; a third in a larger tier (a new cache, whose
+    graphs are its own) makes graphs only for widths it decodes with."""
+    from hf_polybasic.costs import CostCurves
     from hf_polybasic.generation import make_generate
 
     target, draft = tiny_chain("llama", depth=2, seed=31)
@@ -296,9 +297,8 @@ def test_the_first_call_makes_a_graph_per_model_and_width_and_the_next_call_none
     def compiled_widths() -> dict:
         return {model: set(static._pool[model][1].compiled_widths) for model in (target, draft) if model in static._pool}
 
-    caches = None
-    for length, budget in [(100, 96), (150, 60)]:  # one 512-slot tier; the measurement needs 256
-        assert capacity_for(length + budget) == 512 and capacity_for(64 + max(MEASURED_TOKENS) + 1) == 256
+    caches, pairs = None, set()
+    for length, budget in [(100, 96), (150, 60), (400, 40)]:  # two calls of the 512-slot tier, then 1024
         ids = prompt(length, seed=length)
         before, widths_before = _graphs(), compiled_widths()
         out = target.generate(ids, custom_generate=generate, assistant_models=[draft], do_sample=False,
@@ -309,14 +309,60 @@ def test_the_first_call_makes_a_graph_per_model_and_width_and_the_next_call_none
         levels = out.polybasic_stats.levels
         assert [level.runner for level in levels] == ["static, compiled"] * 2
         widths = compiled_widths()
-        made = sum(len(widths[model] - widths_before.get(model, set())) for model in widths)
-        assert _graphs() - before == made, f"{_graphs() - before} graphs for {made} new (model, width) pairs"
-        for model, level in zip((target, draft), levels):  # decoding ran on the cache its graphs are for
-            assert set(level.forward_widths) <= widths.get(model, set())
         kept = {model: static._pool[model][1] for model in widths}
-        assert caches is None or all(kept[model] is caches[model] for model in caches), "a cache made again"
+        if caches is not None and capacity_for(length + budget) > caches[target].capacity:
+            widths_before, pairs = {}, set()  # a larger tier: new caches
+        else:
+            assert caches is None or all(kept[model] is caches[model] for model in caches), "a cache made again"
         caches = kept
-    assert {bucket(k) for k in MEASURED_TOKENS} <= widths[target]  # the measurement's graphs, on the same cache
+        decoded = {(model, width) for model, level in zip((target, draft), levels) for width in level.forward_widths}
+        made = sum(len(widths[model] - widths_before.get(model, set())) for model in widths)
+        assert _graphs() - before == made <= len(decoded - pairs), f"{_graphs() - before} graphs for {decoded - pairs}"
+        pairs |= decoded
+        assert {(model, width) for model in widths for width in widths[model]} <= pairs, "a width decoding never used"
+
+
+def test_the_curves_of_a_compiled_chain_price_its_compiled_forwards(monkeypatch):
+    """A compiled runner's curve is measured uncompiled (no graph), then priced by compiled forwards: on
+    a simulated machine where compiled forwards cost a quarter of uncompiled ones, the schedule's costs
+    at the end of the first call, and the stored curves the next call starts from, are the compiled
+    costs at every point (a bounded refresh would have left them at half the uncompiled ones)."""
+    from hf_polybasic.costs import CostCurves, cost_key
+    from hf_polybasic.costs.store import UNCOMPILED_POINTS
+    from hf_polybasic.generation import make_generate
+    from hf_polybasic.testing import SimulatedClock
+
+    target, draft = tiny_chain("llama", depth=2, seed=32)
+    uncompiled, compiled = {target: 0.008, draft: 0.0016}, {target: 0.002, draft: 0.0004}
+    clock = SimulatedClock()
+    forward_for = static.forward_for
+
+    def charged_forward_for(model, is_compiled, float_mask, layers=None):
+        forward = forward_for(model, is_compiled, float_mask, layers)
+
+        def charged(model, *args):
+            clock.advance((compiled if is_compiled else uncompiled)[model])
+            return forward(model, *args)
+
+        return charged
+
+    monkeypatch.setattr(static, "forward_for", charged_forward_for)
+    store = CostCurves(directory=None, key=lambda model: f"{cost_key(model)}-{id(model)}")
+    generate = make_generate(clock=clock, costs=store)
+    ids = prompt(20, seed=3)
+    out = target.generate(ids, custom_generate=generate, assistant_models=[draft], do_sample=False, max_new_tokens=60,
+                          eos_token_id=None, return_dict_in_generate=True, polybasic_config=hp.PolybasicConfig(compile=True))
+    assert torch.equal(out.sequences, target.generate(ids, do_sample=False, max_new_tokens=60, eos_token_id=None))
+    for model, level in zip((target, draft), out.polybasic_stats.levels):
+        assert level.runner == "static, compiled"
+        assert level.forward_costs == pytest.approx({k: compiled[model] for k in level.forward_costs}, rel=0.01)
+        curve = store.curve_for(model, runner="compiled")
+        assert curve.points == pytest.approx({k: compiled[model] for k in curve.points}, rel=0.01)
+        # the points that replays of their own size priced (a width's first forward compiles) are no longer
+        # listed as measured uncompiled
+        replayed = {min(curve.points, key=lambda k: abs(math.log(k / width)))
+                    for width, count in level.forward_widths.items() if count > 1}
+        assert replayed and not replayed & set(curve.description[UNCOMPILED_POINTS])
 
 
 def test_compiled_cost_aware_default_is_exact_and_draws_on_the_compiled_runner(shared_models):

@@ -72,6 +72,11 @@ class CostEstimate:
             running = self._whole
         return math.exp(running[0] / running[1]) if running[1] else 1.0
 
+    def priced_points(self) -> set[int]:
+        """The measured points that forwards of this call priced themselves (each forward prices the
+        point nearest its size)."""
+        return {k for k, running in self._at.items() if running[1] >= 1.0}
+
     def points(self) -> dict[int, float]:
         """``{k: seconds}`` at the measured k, as this call sees them now."""
         return {k: v * self.scale(k) for k, v in self.curve.points.items()}

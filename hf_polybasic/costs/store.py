@@ -7,6 +7,14 @@ temporary name. Measuring takes ~25 forwards of the model; it holds a lock for t
 only, so other models are not blocked. ``HF_POLYBASIC_MEASURE_COSTS=0`` (or
 ``PolybasicConfig(measure_costs=False)``) skips measuring: a model without a stored curve then
 runs with the costs its own forwards show during the call (`hf-polybasic costs` measures ahead).
+
+A compiled runner's curve is measured without compiling: a graph per measured width would compile
+widths decoding may never use (each an inductor compile and a CUDA graph capture), so its points are
+first the same runner's forwards uncompiled (the same cache, the same padded widths: the shape of
+T(k)), listed in the curve's ``description["uncompiled_points"]``. Decoding then prices compiled
+forwards: the call's estimate scales the curve by what its compiled forwards cost
+(`hf_polybasic.costs.CostEstimate`), and at the end of the call each listed point takes what they
+showed, in full (`CostCurves.refresh`); a point a compiled forward of its own size priced leaves the list.
 """
 
 from __future__ import annotations
@@ -32,6 +40,9 @@ from ..user_warnings import warn
 MAX_REFRESH_FACTOR = 2.0
 
 log = logging.getLogger("hf_polybasic")
+
+# a compiled runner's points still measured uncompiled (`CostCurves.curve_for`), in its description
+UNCOMPILED_POINTS = "uncompiled_points"
 
 COSTS_DIRECTORY_VARIABLE = "HF_POLYBASIC_COSTS"
 MEASURE_VARIABLE = "HF_POLYBASIC_MEASURE_COSTS"
@@ -107,9 +118,10 @@ class CostCurves:
     ) -> CostCurve | None:
         """The curve of ``model`` on this machine, through ``runner`` ("dynamic", "static" or
         "compiled": the runner decoding uses, `measure_curve`): from memory, else from disk, else
-        measured now (only this key is locked meanwhile). None when there is none and measuring is
-        off (``measure=False`` or ``$HF_POLYBASIC_MEASURE_COSTS=0``). ``capacity``: a static runner's
-        slots per row in the call that asks, so the measurement meets the graphs decoding will."""
+        measured now (only this key is locked meanwhile; a compiled runner's through the same runner
+        uncompiled, its points listed as such: see the module docstring). None when there is none
+        and measuring is off (``measure=False`` or ``$HF_POLYBASIC_MEASURE_COSTS=0``). ``capacity``:
+        a static runner's slots per row in the call that asks, so the measurement uses its cache."""
         key = self.key_of(model, runner)
         with self._lock(key):
             if key in self._curves:
@@ -119,8 +131,10 @@ class CostCurves:
                 if not (measure and measuring_allowed()):
                     return None
                 log.info("hf_polybasic: measuring the forward costs of %s on this machine", type(model).__name__)
-                static = {} if runner == "dynamic" else {"runner": runner, "capacity": capacity}
+                static = {} if runner == "dynamic" else {"runner": "static", "capacity": capacity}
                 curve = self.measure(model, clock=clock, **static)
+                if runner == "compiled":  # priced by compiled forwards once decoding makes them
+                    curve.description = {**curve.description, "runner": runner, UNCOMPILED_POINTS: sorted(curve.points)}
                 self._save(key, curve)
             self._curves[key] = curve
             return curve
@@ -133,7 +147,12 @@ class CostCurves:
         The ratios are against the curve's predictions, which come from its points made
         nondecreasing (`CostCurve.seconds`); so the nondecreasing points are what gets scaled. Scaling
         the raw points instead kept any noisy pair (T(2) above T(4)) in its ratio forever, and call
-        after call of a benchmark drove such points to nonsense (a stored T(4) of 7 ns)."""
+        after call of a benchmark drove such points to nonsense (a stored T(4) of 7 ns).
+
+        A point still measured uncompiled (``description["uncompiled_points"]``) takes the call's view
+        in full, however few forwards it rests on and however far it moves: any compiled forward
+        prices a compiled runner better than an uncompiled one. It leaves the list once forwards of
+        its own size priced it (`CostEstimate.priced_points`)."""
         if estimate.observed == 0:
             return
         key = self.key_of(model, runner)
@@ -143,14 +162,18 @@ class CostCurves:
                 return
             weight = min(1.0, estimate.observed / 50)
             bound = math.log(MAX_REFRESH_FACTOR)
-            factors = {k: math.exp(min(max(weight * math.log(estimate.scale(k)), -bound), bound))
-                       for k in curve.points}
+            uncompiled = set(curve.description.get(UNCOMPILED_POINTS, ()))
+            factors = {k: estimate.scale(k) if k in uncompiled else
+                       math.exp(min(max(weight * math.log(estimate.scale(k)), -bound), bound)) for k in curve.points}
+            if uncompiled:
+                curve.description = {**curve.description,
+                                     UNCOMPILED_POINTS: sorted(uncompiled - estimate.priced_points())}
             ks = sorted(curve.points)
             smooth = dict(zip(ks, nondecreasing([curve.points[k] for k in ks])))
             # scaled by their own factors, neighbours can cross: the stored points stay nondecreasing
             curve.points = dict(zip(ks, nondecreasing([smooth[k] * factors[k] for k in ks])))
             curve.observations += estimate.observed
-            if max(abs(math.log(f)) for f in factors.values()) > 0.05:
+            if uncompiled or max(abs(math.log(f)) for f in factors.values()) > 0.05:
                 self._save(key, curve)
 
     def _warn_once(self, what: str, message: str) -> None:

@@ -116,7 +116,8 @@ class Chain:
                     costs.refresh(runner.model, estimate, runner_kind(runner))
             runner = getattr(runner, "inner", runner)  # a head's runner: the one its own cache is on
             if isinstance(runner, StaticRunner):
-                level.runner = "static, compiled" if runner.compiled else "static"
+                level.runner = ("static, compile failed" if runner.fallback else
+                                "static, compiled" if runner.compiled else "static")
                 level.forward_widths = dict(sorted(collections.Counter(runner.forward_widths).items()))
                 runner.close()
             elif runner is not None:

@@ -68,7 +68,7 @@ class HeadModel(torch.nn.Module):
         cache = kwargs.pop("cache", kwargs.pop("past_key_values", None))  # the release's name for it
         if position_ids is None:
             position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
-        features = None if self.feed is None else self.feed(position_ids)
+        features = None if self.feed is None else _fed(self.feed, position_ids)
         if features is None:
             features = torch.zeros(*input_ids.shape, self.head.hidden_size, dtype=self.dtype, device=input_ids.device)
         logits, hidden = self.head(input_ids, features, position_ids=position_ids + self.head.position_offset,
@@ -95,6 +95,14 @@ class HeadModel(torch.nn.Module):
         logits, _ = self.head(input_ids[:, 1:].to(self.device), features, attention_mask=None, cache=None,
                               position_ids=positions + self.head.position_offset, use_cache=False)
         return torch.cat([first, logits.float()], dim=1)
+
+
+@torch.compiler.disable
+def _fed(feed, position_ids: torch.LongTensor) -> torch.Tensor:
+    """``feed(position_ids)``, never traced: a compiled forward of the head would guard on what this
+    round's feed holds (each row's first position, its table's length) and make a graph per round,
+    until dynamo's recompile limit stopped compiling it (`hf_polybasic.runners.fallback`)."""
+    return feed(position_ids)
 
 
 def head_source(runner, role: str):

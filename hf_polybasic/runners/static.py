@@ -34,6 +34,7 @@ whose logits must equal full forwards'. Anything else keeps the dynamic runner, 
 
 from __future__ import annotations
 
+import collections
 import threading
 import weakref
 from collections.abc import Callable
@@ -42,6 +43,7 @@ import torch
 
 from .. import compat
 from .base import RunnerBase
+from .fallback import compile_failure, record_failure
 from ..timing import DEFAULT_CLOCK, Clock
 from .transfer import upload
 from ..user_warnings import warn
@@ -82,6 +84,7 @@ class SlotCache(compat.CacheBase):
         self.capacity, self.rows = capacity, rows
         self.write_slots: torch.Tensor | None = None  # [rows, width] for the next forward
         self.compiled_widths: set[int] = set()  # widths a compiled forward has made a graph for, on this cache
+        self.graph_runs: collections.Counter = collections.Counter()  # compiled forwards per width, on this cache
         super().__init__(layers=[SlotLayer(self, capacity) for _ in range(num_layers)])
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -192,6 +195,10 @@ def compile_options(device: torch.device) -> dict:
 # graphs a compiled forward may keep: one per width and batch size (dynamo's default allows 8 per
 # function; each model's forward is a function of its own)
 GRAPHS_PER_MODEL = 8 * len(WIDTHS)
+# forwards of a new graph that are not timed into the cost curves, by device type: the one that
+# compiles it and, on a GPU, the one that captures its CUDA graph (mode "reduce-overhead" warms up at
+# the first run, records at the second); only replays price a compiled forward
+GRAPH_SETUP_RUNS = {"cuda": 2}
 
 
 def forward_for(model, compiled: bool, float_mask: bool, layers: tuple[int, ...] | None = None) -> Callable:
@@ -233,10 +240,14 @@ def _may_make_graph(model, role: str) -> bool:
 
 
 def _with_graph_limit(compiled: Callable) -> Callable:
-    """``compiled`` allowed `GRAPHS_PER_MODEL` graphs (dynamo's limit, set around our calls only)."""
+    """``compiled`` allowed `GRAPHS_PER_MODEL` graphs (dynamo's limit, set around our calls only). A frame
+    past the limit raises (dynamo would run it uncompiled, saying so only in its log), so the runner
+    falls back and says so (`hf_polybasic.runners.fallback`); unless the user asked dynamo to suppress
+    its errors (then dynamo runs failing frames uncompiled itself)."""
 
     def call(*args):
-        with torch._dynamo.config.patch(recompile_limit=GRAPHS_PER_MODEL):
+        config = torch._dynamo.config
+        with config.patch(recompile_limit=GRAPHS_PER_MODEL, fail_on_recompile_limit_hit=not config.suppress_errors):
             return compiled(*args)
 
     return call
@@ -278,6 +289,8 @@ class StaticRunner(RunnerBase):
     Attributes (beside `RunnerBase`'s):
         forward_widths: the padded width of each decoding forward (its shape: one graph each when
             compiled), for the statistics; prefills are not counted.
+        fallback: why compiled forwards of the model failed (in this call or an earlier one of the
+            process), after which they run uncompiled (`hf_polybasic.runners.fallback`); else None.
     """
 
     def __init__(
@@ -297,7 +310,8 @@ class StaticRunner(RunnerBase):
         self.cache: SlotCache | None = None  # taken at the first forward (`take_cache`), given back by `close`
         self._live = [True] * rows
         self.forward_widths: list[int] = []
-        self.compiled = compiled
+        self.fallback = compile_failure(model) if compiled else None
+        self.compiled = compiled and self.fallback is None
         self._float_mask = compat.attention_implementation(model) != "sdpa"
         self._make_forwards()
 
@@ -379,17 +393,41 @@ class StaticRunner(RunnerBase):
             compiled = making_graph = False
         if making_graph:
             self.cache.compiled_widths.add(width)
-        with self._timed_forward(self.rows * width, self.rows, observed=not making_graph):
-            if compiled:
-                logits = self._compiled(self.model, input_ids, position_ids, slots, self.cache)
-            else:
-                with self._attention():
-                    logits = self._plain(self.model, input_ids, position_ids, slots, self.cache)
+        if compiled:
+            self.cache.graph_runs[width] += 1
+            try:
+                with self._timed_forward(self.rows * width, self.rows,
+                                         observed=self.cache.graph_runs[width] > GRAPH_SETUP_RUNS.get(self.device.type, 1)):
+                    logits = self._compiled(self.model, input_ids, position_ids, slots, self.cache)
+            except Exception as error:  # noqa: BLE001 - compiling, capturing or replaying failed: `_fall_back`
+                logits = self._fall_back(error, input_ids, position_ids, slots)
+        else:  # a compiled runner's uncompiled forwards (a prefill, a width past the graph limit) price no compiled one
+            with self._timed_forward(self.rows * width, self.rows, observed=self._compiled is None):
+                logits = self._plain_forward(input_ids, position_ids, slots)
         self._hidden = None
         if self.features is not None:  # [rows, width, F], a copy: a CUDA graph's output is overwritten by its next replay
             logits, self._hidden = logits[0], logits[1].clone()
         if not prefill:
             self.forward_widths.append(width)
+        return logits
+
+    def _plain_forward(self, input_ids: torch.LongTensor, position_ids: torch.LongTensor,
+                       slots: torch.LongTensor) -> torch.Tensor:
+        with self._attention():
+            return self._plain(self.model, input_ids, position_ids, slots, self.cache)
+
+    def _fall_back(self, error: Exception, input_ids: torch.LongTensor, position_ids: torch.LongTensor,
+                   slots: torch.LongTensor) -> torch.Tensor:
+        """The forward whose compiled run raised ``error``, run again uncompiled on the same cache: it
+        writes the same slots, so whatever the failed run wrote is replaced before any query reads it.
+        When it runs, compiling was at fault: this model's forwards run uncompiled from now on, in this
+        call and every later one (`hf_polybasic.runners.fallback`, one warning); when it raises too,
+        the forward itself was, and its error is the user's (with the compiled one as its context)."""
+        width = input_ids.shape[1]
+        with self._timed_forward(self.rows * width, self.rows, observed=False):
+            logits = self._plain_forward(input_ids, position_ids, slots)
+        self.fallback = record_failure(self.model, self.role, error)
+        self.compiled, self._compiled = False, None
         return logits
 
     def forward_from(self, input_ids: torch.LongTensor, starts: torch.LongTensor) -> torch.Tensor:
