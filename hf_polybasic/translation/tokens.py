@@ -37,13 +37,15 @@ def _byte_decoder() -> dict[str, int]:
 
 
 def backend_spec(tokenizer) -> dict:
-    """The `tokenizers` pipeline of a fast tokenizer, as its JSON (a clear error for another kind)."""
+    """The text pipeline of a fast tokenizer (its normalizer, pre-tokenizer and decoder, as their JSON;
+    a clear error for another kind of tokenizer)."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None:
         raise TypeError(
             f"hf_polybasic.levels.translated needs fast tokenizers (a `tokenizers` backend), got "
             f"{type(tokenizer).__name__}; load it with AutoTokenizer.from_pretrained(..., use_fast=True)")
-    return json.loads(backend.to_str())
+    parts = {"normalizer": backend.normalizer, "pre_tokenizer": backend.pre_tokenizer, "decoder": backend.decoder}
+    return {name: None if part is None else json.loads(part.__getstate__()) for name, part in parts.items()}
 
 
 def _steps(component: dict | None, key: str) -> list[dict]:
@@ -59,9 +61,16 @@ def _spelling(spec: dict):
     """A function: token string -> its bytes, by the tokenizer's decoder."""
     decoders = _steps(spec.get("decoder"), "decoders")
     kinds = {step.get("type") for step in decoders}
-    if "ByteLevel" in kinds:
-        table = _byte_decoder()
-        return lambda token: bytes(table[c] for c in token) if all(c in table for c in token) else token.encode()
+    if "ByteLevel" in kinds:  # each character one byte: GPT-2's table, read as latin-1 characters
+        table = str.maketrans({character: chr(byte) for character, byte in _byte_decoder().items()})
+
+        def spell_bytes(token: str) -> bytes:
+            try:
+                return token.translate(table).encode("latin-1")
+            except UnicodeEncodeError:  # a character outside the table: the token spells its own text
+                return token.encode()
+
+        return spell_bytes
     replacements = [(step.get("replacement", SPACE_SIGN), " ") for step in decoders if step.get("type") == "Metaspace"]
     replacements += [(step["pattern"]["String"], step["content"]) for step in decoders
                      if step.get("type") == "Replace" and "String" in step.get("pattern", {})]
@@ -144,13 +153,22 @@ def prepends_space(tokenizer) -> bool:
 
 def continuation_encoder(tokenizer):
     """A function: text -> the ids ``tokenizer`` gives it as the continuation of a text: no special
-    tokens added and no space put before it (a private copy of its pipeline; the tokenizer itself is
-    not changed)."""
-    from tokenizers import Tokenizer
+    tokens added and no space put before it (its own model under a copy of its normalizer and
+    pre-tokenizer with that turned off; the tokenizer itself is not changed). Special-token strings in
+    such a text are encoded as text."""
+    from tokenizers import Tokenizer, normalizers, pre_tokenizers
 
+    backend = tokenizer.backend_tokenizer
     spec, changed = _without_leading_space(backend_spec(tokenizer))
-    backend = Tokenizer.from_str(json.dumps(spec)) if changed else tokenizer.backend_tokenizer
-    return lambda text: backend.encode(text, add_special_tokens=False).ids if text else []
+    if not changed:
+        return lambda text: backend.encode(text, add_special_tokens=False).ids if text else []
+    copy = Tokenizer(backend.model)  # the same model object: nothing of the vocabulary is copied
+    for name, kind in (("normalizer", normalizers.NFC), ("pre_tokenizer", pre_tokenizers.Whitespace)):
+        if spec[name] is not None:
+            part = kind()
+            part.__setstate__(json.dumps(spec[name]).encode())  # any kind of step, from its JSON
+            setattr(copy, name, part)
+    return lambda text: copy.encode(text, add_special_tokens=False).ids if text else []
 
 
 def split_complete(data: bytes) -> tuple[str, bytes]:
