@@ -11,6 +11,10 @@ another tokenizer.
 
 Two different tokenizers of the same size pass every size check; their models then almost never
 agree. `warn_if_levels_disagree` reports that after the call, so a wrong chain is not silently slow.
+
+A model with another tokenizer enters a chain translated (`hf_polybasic.levels.translated`), which
+keeps its text in its own tokens; such a level is checked against the target's tokenizer there
+(`hf_polybasic.translation.level.check_translated_levels`), not here.
 """
 
 from __future__ import annotations
