@@ -161,6 +161,20 @@ def test_greedy_output_is_plain_generates(shape, models, tokenizers):
     print(shape, assert_every_level_took_part(out.polybasic_stats))
 
 
+def test_a_call_on_static_caches_keeps_the_translated_level_dynamic(models, tokenizers):
+    """The target decodes on its static runner, the translated level on its dynamic cache (its own tokens per
+    target token vary), said in a warning; the output is plain generate's."""
+    target = models[0]
+    ids = torch.tensor([tokenizers["target"](CORPUS[3][:25])["input_ids"]])
+    options = dict(do_sample=False, max_new_tokens=12, eos_token_id=None)
+    with pytest.warns(UserWarning, match="a translated level's own tokens per target token vary"):
+        out = target.generate(ids, custom_generate=hp.generate, assistant_models=[_level(models, tokenizers)],
+                              cache_implementation="static", return_dict_in_generate=True,
+                              polybasic_config=hp.PolybasicConfig(**CONSTANT), **options)
+    assert torch.equal(out.sequences, target.generate(ids, **options))
+    assert [level.runner for level in out.polybasic_stats.levels] == ["static", "dynamic"]
+
+
 # --- sampling: the target's distribution --------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def distribution_pair(shared_models, distribution_models):

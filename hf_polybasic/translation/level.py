@@ -27,6 +27,7 @@ import threading
 import weakref
 
 import torch
+from transformers import PreTrainedTokenizerBase
 
 from ..labels import model_label
 from ..vocabulary import MAX_EXTRA_FRACTION, MAX_EXTRA_ROWS, input_vocabulary_size, output_vocabulary_size
@@ -52,7 +53,7 @@ class Translated:
         return self.model.device
 
     def __repr__(self) -> str:
-        return f"translated {model_label(self.model)}"
+        return f"translated {'through text ' if self.route == 'text' else ''}{model_label(self.model)}"
 
 
 _shared_vocabularies = threading.local()  # per thread: (own tokenizer, target tokenizer) -> SharedVocabulary
@@ -69,7 +70,8 @@ def shared_vocabulary(tokenizer, target_tokenizer) -> SharedVocabulary:
     return by_target[target_tokenizer]
 
 
-def translated(model: torch.nn.Module, tokenizer, target_tokenizer, route: str = "shared") -> Translated:
+def translated(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, target_tokenizer: PreTrainedTokenizerBase,
+               route: str = "shared") -> Translated:
     """``model``, whose tokenizer is ``tokenizer``, as a level of a chain whose target uses
     ``target_tokenizer``: put the result anywhere in ``assistant_models`` (``route="text"``: last).
 
