@@ -98,7 +98,8 @@ def build_model_set(
         raise ValueError(f"target dtype must be one of {list(TARGET_DTYPES)}, got {target_dtype!r}")
     if models not in ("tiny", "qwen"):
         raise ValueError(f"--models must be 'tiny' or 'qwen', got {models!r}")
-    needs = {key for key in (*TARGET_COPIES, "draft", "draft-fp32", *RESTRICTED_DRAFTS, *OTHER_TOKENIZER) if key in needs}
+    known = (*TARGET_COPIES, "draft", "draft-fp32", *RESTRICTED_DRAFTS, *OTHER_TOKENIZER)
+    needs = {key for key in known if key in needs}
     if pack_target:
         target_dtype_label = f"{target_dtype}, packed"
     else:

@@ -72,6 +72,9 @@ class OwnContext:
 
     def own_length(self, length: int) -> int:
         """The level's length for the target's first ``length`` tokens (``start <= length <= len(target)``)."""
+        if length < self.start:
+            raise IndexError(f"target length {length} is inside the prompt this row's translation started from "
+                             f"({self.start})")
         return self._marks[length - self.start][0]
 
     @property
@@ -101,7 +104,7 @@ class OwnContext:
         """Forget the target's tokens past ``length`` (at least `start`) and their own tokens."""
         if length >= len(self.target):
             return
-        own_length, _ = self._marks[length - self.start]
+        own_length = self.own_length(length)
         del self.target[length:], self.own[own_length:], self._marks[length - self.start + 1 :]
 
     def _push(self, token: int) -> None:

@@ -120,7 +120,9 @@ def check_translated_levels(target: torch.nn.Module, levels: list, tokenizer=Non
             raise ValueError(
                 f"{where} was made for a target tokenizer of {size} ids, but the target {model_label(target)} scores "
                 f"{rows}: pass the target's own tokenizer as target_tokenizer")
-        if tokenizer is not None and (len(tokenizer) != size or tokenizer.eos_token_id != level.target_tokenizer.eos_token_id):
+        other = tokenizer is not None and (len(tokenizer), tokenizer.eos_token_id) != (
+            size, level.target_tokenizer.eos_token_id)
+        if other:
             raise ValueError(
                 f"{where} was made for another target tokenizer than the call's tokenizer= ({size} vs {len(tokenizer)} "
                 "ids); pass the same tokenizer to translated(...) as target_tokenizer")

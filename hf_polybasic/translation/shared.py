@@ -48,7 +48,8 @@ class SharedVocabulary:
         self.encode_own, self.encode_target = continuation_encoder(own), continuation_encoder(target)
         self.target_prepends_space = prepends_space(target)
         own_by_bytes, target_by_bytes = _first_spelling(self.own_bytes), _first_spelling(self.target_bytes)
-        twins = {target_by_bytes[spelled]: own_id for spelled, own_id in own_by_bytes.items() if spelled in target_by_bytes}
+        twins = {target_by_bytes[spelled]: own_id for spelled, own_id in own_by_bytes.items()
+                 if spelled in target_by_bytes}
         own_special, target_special = special_contents(own), special_contents(target)
         twins.update({target_special[content]: own_id for content, own_id in own_special.items()
                       if content in target_special})
@@ -74,7 +75,8 @@ class SharedVocabulary:
         -inf at every other id (what the level samples from is its distribution over S)."""
         if logits.device not in self._placed:
             keep = self.target_ids < width
-            self._placed[logits.device] = (self.own_ids[keep].to(logits.device), self.target_ids[keep].to(logits.device))
+            self._placed[logits.device] = (self.own_ids[keep].to(logits.device),
+                                           self.target_ids[keep].to(logits.device))
         own_ids, target_ids = self._placed[logits.device]
         out = logits.new_full((logits.shape[0], width), float("-inf"))
         return out.index_copy_(1, target_ids, logits.index_select(1, own_ids))
