@@ -27,6 +27,7 @@ from .decoding.loop import decode_rows
 from .outputs import PolybasicGenerateOutput, assemble_output
 from .request import check_request, resolve_config, validate_assistant_models
 from .stats import PolybasicStats
+from .translation.level import translated
 from .timing import DEFAULT_CLOCK, Clock
 
 __all__ = ["PolybasicGenerateOutput", "disable", "enable", "generate", "last_stats", "make_generate"]
@@ -169,6 +170,8 @@ def _route_generate(model, plain: type, *args, **kwargs):
     """The enabled `generate`: plain `generate` without a chain, else plain `generate` with our
     `custom_generate` and the chain (the call's, else the one given to `enable`)."""
     defaults = getattr(model, ENABLED_ATTRIBUTE, None) or _EnabledDefaults(None, None)
+    if kwargs.get("assistant_tokenizer") is not None:  # transformers' spelling of one assistant with its own tokenizer
+        _route_assistant_tokenizer(kwargs)
     chain = kwargs.pop("assistant_models", defaults.assistant_models)
     if chain is None:
         if kwargs.get("polybasic_config") is not None:
@@ -188,6 +191,18 @@ def _route_generate(model, plain: type, *args, **kwargs):
         validate_assistant_models(model, chain, kwargs["tokenizer"])
     _route_stop_strings(kwargs)
     return plain.generate(model, *args, custom_generate=generate, assistant_models=chain, **kwargs)
+
+
+def _route_assistant_tokenizer(kwargs: dict) -> None:
+    """``assistant_model=small, tokenizer=tok, assistant_tokenizer=small_tok`` (transformers' UAD and USD)
+    becomes the chain ``[translated(small, small_tok, tok)]``, decoded by hf_polybasic like any chain."""
+    assistant, assistant_tokenizer = kwargs.pop("assistant_model", None), kwargs.pop("assistant_tokenizer")
+    if kwargs.get("assistant_models") is not None or assistant is None or kwargs.get("tokenizer") is None:
+        raise ValueError(
+            "`assistant_tokenizer=` goes with `assistant_model=` (the assistant) and `tokenizer=` (the target's), and "
+            "not with `assistant_models=`; in a chain, wrap the model: "
+            "assistant_models=[hf_polybasic.levels.translated(model, its_tokenizer, target_tokenizer)]")
+    kwargs["assistant_models"] = [translated(assistant, assistant_tokenizer, kwargs["tokenizer"])]
 
 
 def _route_stop_strings(kwargs: dict) -> None:

@@ -11,6 +11,9 @@
 * `draft_head(source, verifier=model)`: a trained draft head (EAGLE-1/2/3 checkpoints, or a model's
   native MTP layers) that drafts from the hidden states of the level right above it
   (`hf_polybasic.heads`).
+* `translated(model, tokenizer, target_tokenizer)`: a model with a tokenizer of its own, at any depth:
+  it keeps its text in its own tokens and scores the tokens the two vocabularies share
+  (`hf_polybasic.translation`).
 * Model-free drafters live in `hf_polybasic.drafters` (`PromptLookup`, and the `Drafter`
   interface for your own) and are re-exported here.
 
@@ -22,6 +25,7 @@ from .drafters import Drafter, PromptLookup
 from .heads import draft_head
 from .models.copies import QUANTIZATION_METHODS, early_exit, quantized_copy
 from .models.vocab_head import restricted_vocabulary
+from .translation import translated
 
 __all__ = ["Drafter", "PromptLookup", "QUANTIZATION_METHODS", "draft_head", "early_exit", "quantized_copy",
-           "restricted_vocabulary"]
+           "restricted_vocabulary", "translated"]

@@ -19,6 +19,7 @@ from .config import PolybasicConfig
 from .drafters import AddedPromptLookup, Drafter
 from .processing import reject_stateful_processors
 from .models.vocab_head import drafting_view
+from .translation.level import Translated, check_translated_levels
 from .vocabulary import as_id_list, check_chain_vocabularies
 from .user_warnings import warn
 
@@ -175,7 +176,7 @@ def with_restricted_drafter(assistants: list, config: PolybasicConfig, static: b
     compiled (``static``, `PolybasicConfig.compiles`): the view's output layer grows with the text,
     which a fixed-shape forward cannot follow."""
     bottom = assistants[-1]
-    if config.drafter_vocabulary is None or config.prompt_lookup or isinstance(bottom, Drafter):
+    if config.drafter_vocabulary is None or config.prompt_lookup or isinstance(bottom, (Drafter, Translated)):
         return assistants
     if static or config.compiles(bottom.device):
         return assistants
@@ -191,13 +192,19 @@ def with_prompt_lookup(assistants: list, config: PolybasicConfig) -> list:
     says), and the former bottom model, now an intermediate level, gets the config's last mu."""
     if not config.prompt_lookup or isinstance(assistants[-1], Drafter):
         return assistants
+    if isinstance(assistants[-1], Translated) and assistants[-1].route == "text":
+        raise ValueError(
+            "PolybasicConfig(prompt_lookup=True) puts a PromptLookup below the bottom model, but the bottom level "
+            f"{assistants[-1]!r} drafts through text (route='text'), which cannot verify; use route='shared' or "
+            "prompt_lookup=False")
     tokens = ADDED_LOOKUP_TOKENS if config.schedule == "cost_aware" else config.num_draft_tokens
     return [*assistants, AddedPromptLookup(num_tokens=tokens)]
 
 
 def validate_assistant_models(target, assistant_models, tokenizer=None) -> list:
     """The chain below the target, checked: a non-empty list of decoder-only models sharing the
-    target's vocabulary (and ``tokenizer``'s, when given), with at most a `Drafter` at the bottom."""
+    target's vocabulary (and ``tokenizer``'s, when given) or translated to it
+    (`hf_polybasic.translation.level.translated`), with at most a `Drafter` at the bottom."""
     if assistant_models is None:
         raise ValueError(
             "hf_polybasic needs `assistant_models=[M2, ..., Mn]`, the models below the target, strongest first "
@@ -219,18 +226,21 @@ def validate_assistant_models(target, assistant_models, tokenizer=None) -> list:
                     "(the bottom of the chain), below every model"
                 )
             continue
-        if not isinstance(model, torch.nn.Module) or not hasattr(model, "config"):
+        if not isinstance(model, Translated) and (not isinstance(model, torch.nn.Module) or not hasattr(model, "config")):
             raise TypeError(
-                f"assistant_models[{position}] must be a transformers model (nn.Module with a config) "
-                f"or, last, a hf_polybasic.drafters.Drafter; got {type(model).__name__}"
+                f"assistant_models[{position}] must be a transformers model (nn.Module with a config), a "
+                f"hf_polybasic.levels.translated(...) level or, last, a hf_polybasic.drafters.Drafter; got "
+                f"{type(model).__name__}"
             )
-    chain_models = [(i, m) for i, m in enumerate(models) if not isinstance(m, Drafter)]
-    for role, model in [("target", target)] + [(f"assistant_models[{i}]", m) for i, m in chain_models]:
+    chain_models = [(i, m) for i, m in enumerate(models) if not isinstance(m, (Drafter, Translated))]
+    translated = [(i, m.model) for i, m in enumerate(models) if isinstance(m, Translated)]
+    for role, model in [("target", target)] + [(f"assistant_models[{i}]", m) for i, m in chain_models + translated]:
         if getattr(model.config, "is_encoder_decoder", False):
             raise NotImplementedError(
                 f"{role} {type(model).__name__} is an encoder-decoder model; hf_polybasic supports decoder-only chains"
             )
     check_chain_vocabularies(target, chain_models, tokenizer)
+    check_translated_levels(target, models, tokenizer)
     return models
 
 

@@ -10,6 +10,7 @@ tokenizer over the same tiny vocabulary, so pipelines, streamers and stop string
 from __future__ import annotations
 
 import copy
+import json
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -382,6 +383,103 @@ def make_tokenizer(vocab: int = VOCAB):
     tokenizer.padding_side = "left"
     tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
     return tokenizer
+
+
+# --- a level with another tokenizer: tokenizers trained in code, and a "translated copy" ----------
+CORPUS = (
+    "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n",
+    "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n"
+    "        self.items.append(item)\n\n    def pop(self):\n        return self.items.pop()\n",
+    "import json\n\n\ndef load_config(path):\n    with open(path) as handle:\n        return json.load(handle)\n",
+    "for index, value in enumerate(values):\n    print(index, value * 2, sum(values) / len(values))\n",
+    "The lighthouse keeper watched the storm roll in over the grey sea, and lit the lamp at dusk.",
+    "Once upon a time there was a small robot who loved to read books about the ocean and the stars.",
+    "Add the numbers 12, 345 and 6789: the sum is 7146. Then divide it by 3 to get 2382.",
+    "Voilà: the café on the corner serves crème brûlée, naïve jokes and 日本茶 every morning.",
+)
+TRAINED_KINDS = ("byte-level", "metaspace")
+
+
+def train_tokenizer(kind: str = "byte-level", vocab: int = 400, corpus=CORPUS):
+    """A BPE tokenizer trained in code on ``corpus`` (milliseconds), as a transformers tokenizer:
+    "byte-level" (GPT-2's scheme, as Qwen and SmolLM2: ``Ġ`` for a space, every byte a token; special
+    tokens ``<|endoftext|>`` (BOS and pad), ``<|im_start|>``, ``<|im_end|>`` (EOS) at ids 0-2) or
+    "metaspace" (SentencePiece's: ``▁`` for a space, a space put before the text, ``<0xNN>`` byte
+    fallback for characters it lacks, a BOS put before every text as Llama's tokenizer does; ``<unk>``,
+    ``<s>`` (BOS), ``</s>`` (EOS), ``<|im_start|>``, ``<|im_end|>`` at ids 0-4, the 256 byte tokens after
+    the trained ones). ``vocab``: the trained
+    tokens (byte tokens aside)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    if kind == "byte-level":
+        specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+        backend = Tokenizer(models.BPE())
+        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        backend.decoder = decoders.ByteLevel()
+        backend.train_from_iterator(corpus, trainers.BpeTrainer(
+            vocab_size=vocab, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False))
+        names = dict(bos_token="<|endoftext|>", eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    elif kind == "metaspace":
+        specials = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
+        trained = Tokenizer(models.BPE(unk_token="<unk>"))
+        trained.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first")
+        trained.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=vocab, special_tokens=specials,
+                                                                show_progress=False))
+        spec = json.loads(trained.to_str())["model"]
+        pieces = dict(spec["vocab"])
+        for byte in range(256):
+            pieces.setdefault(f"<0x{byte:02X}>", len(pieces))
+        merges = [tuple(merge.split(" ")) if isinstance(merge, str) else tuple(merge) for merge in spec["merges"]]
+        backend = Tokenizer(models.BPE(vocab=pieces, merges=merges, unk_token="<unk>", byte_fallback=True))
+        backend.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first")
+        backend.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Metaspace(prepend_scheme="first")])
+        backend.add_special_tokens(specials)
+        backend.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+        names = dict(bos_token="<s>", eos_token="</s>", pad_token="<unk>", unk_token="<unk>")
+    else:
+        raise ValueError(f"train_tokenizer: kind must be one of {TRAINED_KINDS}, got {kind!r}")
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, model_input_names=["input_ids", "attention_mask"],
+                                        **names)
+    tokenizer.padding_side = "left"
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def translated_copy(target, target_tokenizer, tokenizer, noise: float = 0.0, seed: int = 0):
+    """A model for ``tokenizer`` that computes what ``target`` (whose tokenizer is ``target_tokenizer``)
+    computes on the same tokens: its layers are the target's (times 1 + ``noise`` N(0, 1)), and the
+    embedding and output rows of each token the two tokenizers share are its twin's rows in the target
+    (`hf_polybasic.translation.shared`); the other rows are random. Its drafts are then often the
+    target's, as a smaller model of the same family would make them."""
+    from .translation.level import shared_vocabulary
+
+    shared = shared_vocabulary(tokenizer, target_tokenizer)
+    config = target.config.__class__.from_dict(target.config.to_dict())
+    config.vocab_size = len(tokenizer)
+    config.bos_token_id, config.eos_token_id, config.pad_token_id = (
+        tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id)
+    generator = torch.Generator().manual_seed(seed)
+    model = type(target)(config).eval()
+    with torch.no_grad():
+        source = dict(target.named_parameters())
+        vocabulary = {id(target.get_input_embeddings().weight): "in", id(target.get_output_embeddings().weight): "out"}
+        for name, parameter in model.named_parameters():
+            original = source[name]
+            if id(original) not in vocabulary:
+                parameter.copy_(original * (1 + noise * torch.randn(original.shape, generator=generator)))
+                continue
+            parameter.copy_(torch.randn(parameter.shape, generator=generator) * original.std())
+            parameter[shared.own_ids] = original[shared.target_ids]
+    model.generation_config = copy.deepcopy(target.generation_config)
+    model.generation_config.bos_token_id, model.generation_config.eos_token_id, model.generation_config.pad_token_id = (
+        tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id)
+    return model
 
 
 class SimulatedClock:

@@ -11,6 +11,10 @@ another tokenizer.
 
 Two different tokenizers of the same size pass every size check; their models then almost never
 agree. `warn_if_levels_disagree` reports that after the call, so a wrong chain is not silently slow.
+
+A model with another tokenizer enters a chain translated (`hf_polybasic.levels.translated`), which
+keeps its text in its own tokens; such a level is checked against the target's tokenizer there
+(`hf_polybasic.translation.level.check_translated_levels`), not here.
 """
 
 from __future__ import annotations
@@ -77,20 +81,23 @@ def check_chain_vocabularies(target, assistants, tokenizer=None) -> None:
         if tokenizer is not None and missing > 0:
             raise ValueError(
                 f"{source} {emitted} ids but {where} can embed only {representable} token ids: every token the "
-                "target emits is fed to every assistant. Every model of a chain must use the target's tokenizer"
+                "target emits is fed to every assistant. Every model of a chain must use the target's tokenizer, or be "
+                "wrapped in hf_polybasic.levels.translated(model, its_tokenizer, target_tokenizer)"
             )
         if missing > MAX_MISSING_FRACTION * emitted:
             raise ValueError(
                 f"{where} has {representable} token ids but {source} {emitted} ({representable} vs {emitted}): "
                 "every token the target emits is fed to every assistant. Every model of a chain must use the "
-                "target's tokenizer (output layers may differ only by padding)"
+                "target's tokenizer (output layers may differ only by padding), or be wrapped in "
+                "hf_polybasic.levels.translated(model, its_tokenizer, target_tokenizer)"
             )
         rows, target_rows = output_vocabulary_size(assistant), output_vocabulary_size(target)
         if rows - target_rows > max(MAX_EXTRA_ROWS, MAX_EXTRA_FRACTION * target_rows):
             raise ValueError(
                 f"{where} scores {rows} token ids, far more than the target {model_label(target)} "
                 f"({rows} vs {target_rows}): they do not share a tokenizer. Every model of a chain must use the "
-                "target's tokenizer (output layers may differ only by padding)"
+                "target's tokenizer (output layers may differ only by padding), or be wrapped in "
+                "hf_polybasic.levels.translated(model, its_tokenizer, target_tokenizer)"
             )
         config = assistant.config.get_text_config(decoder=True)
         for name in ("bos_token_id", "eos_token_id"):
@@ -99,7 +106,8 @@ def check_chain_vocabularies(target, assistants, tokenizer=None) -> None:
             if mine and theirs and not mine & theirs:
                 raise ValueError(
                     f"{where} and the target {model_label(target)} disagree on {name}: {sorted(mine)} vs "
-                    f"{sorted(theirs)}; they do not share a tokenizer"
+                    f"{sorted(theirs)}; they do not share a tokenizer (a model with its own tokenizer goes in the chain as "
+                    "hf_polybasic.levels.translated(model, its_tokenizer, target_tokenizer))"
                 )
         if tokenizer is not None:
             _check_special_tokens(tokenizer, where, config)
@@ -112,7 +120,8 @@ def _check_special_tokens(tokenizer, where: str, config) -> None:
         if theirs is not None and mine and int(theirs) not in mine:
             raise ValueError(
                 f"the tokenizer's {name} is {theirs} but {where} has {sorted(mine)}; every model of a chain must "
-                "use the target's tokenizer"
+                "use the target's tokenizer, or be wrapped in hf_polybasic.levels.translated(model, its_tokenizer, "
+                "target_tokenizer)"
             )
 
 

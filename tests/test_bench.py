@@ -135,6 +135,26 @@ def test_hf_assisted_restores_the_assistant_generation_config():
     assert draft.generation_config.num_assistant_tokens_schedule == schedule
 
 
+def test_the_other_tokenizer_methods_run_on_the_tiny_set():
+    """SmolLM2's methods on the tiny set's stand-in (a model with a tokenizer of its own): ours by each route
+    and below the drafter, greedy output equal to plain generate's; transformers' UAD (greedy) and USD
+    (sampling, on the copy with a float output layer, which it prunes)."""
+    from hf_polybasic.cli.model_sets import build_model_set
+
+    names = ["ours-smol", "ours-smol-text", "ours-draft-smol", "hf-assisted-smol"]
+    model_set = build_model_set("tiny", bench_methods.needed_pool(names))
+    options = bench_methods.MethodOptions()
+    inputs = {"input_ids": torch.tensor([[10, 20, 30, 40, 50, 60]]), "attention_mask": torch.ones(1, 6, dtype=torch.long)}
+    greedy = {"do_sample": False, "max_new_tokens": 6, "eos_token_id": None}
+    expected = model_set.target.generate(**inputs, **greedy)
+    for name in names:
+        method = bench_methods.RECIPES[name].build(model_set, options)
+        assert torch.equal(method.run(model_set.target, inputs, greedy), expected), name
+    sampled = bench_methods.RECIPES["hf-assisted-smol"].build(model_set, options).run(
+        model_set.target, inputs, {"do_sample": True, "max_new_tokens": 6, "eos_token_id": None})
+    assert sampled.shape == expected.shape
+
+
 def test_rss_sampler_catches_a_peak_that_is_gone_before_the_block_ends():
     import time
 

@@ -8,6 +8,8 @@ sequences. The factories build the methods:
 * `hf_assisted`: transformers' ``assistant_model=``, by default with a fixed draft length (constant
   schedule, no confidence threshold; or transformers' heuristic schedule, or its defaults), the
   assistant's generation-config fields restored after each call;
+* `hf_other_tokenizer`: transformers' ``assistant_model=`` with ``assistant_tokenizer=``, an assistant with
+  another tokenizer: UAD when greedy, USD (its TLI) when sampling;
 * `hf_prompt_lookup`: transformers' ``prompt_lookup_num_tokens=``;
 * `polybasic`: ours, ``custom_generate=hf_polybasic.generate`` with any ``assistant_models`` list
   and `PolybasicConfig`; its per-level statistics come from `hf_polybasic.last_stats`.
@@ -120,6 +122,25 @@ def hf_assisted(
     if static:
         description += ", static cache (the target compiled on a GPU)"
     return Method(name, "hf-assisted", description, {"assistant": label, **settings, **extra}, run)
+
+
+def hf_other_tokenizer(levels, label: str, num_assistant_tokens: int = 4, name: str = "hf-assisted-other") -> Method:
+    """transformers' ``assistant_model=`` for an assistant with another tokenizer (``tokenizer=`` the target's,
+    ``assistant_tokenizer=`` its own): UAD (text round trips) when greedy, USD (its vocabulary translated,
+    TLI) when sampling; K = ``num_assistant_tokens`` drafts per round, constant schedule. ``levels``: two
+    `hf_polybasic.levels.translated` levels carrying the model and tokenizers, the one for greedy calls and
+    the one for sampling (USD prunes its model's output layer in place, which must be a float layer)."""
+    settings = assistant_settings(num_assistant_tokens, "constant", 0.0)
+    greedy, sampling = levels
+
+    def run(target, inputs, options):
+        level = sampling if options.get("do_sample") else greedy
+        return assisted_generate(target, level.model, settings, tokenizer=level.target_tokenizer,
+                                 assistant_tokenizer=level.tokenizer, **inputs, **options)
+
+    description = (f"transformers assistant_model= {label} with its own tokenizer: UAD when greedy, USD when sampling "
+                   f"(its output layer in float, which USD prunes); K={num_assistant_tokens}, constant schedule")
+    return Method(name, "hf-assisted", description, {"assistant": label, "assistant_tokenizer": True, **settings}, run)
 
 
 def hf_prompt_lookup(num_tokens: int = 8, max_matching_ngram_size: int = 3, name: str = "hf-lookup") -> Method:
@@ -274,6 +295,14 @@ RECIPES: dict[str, Recipe] = {
             for suffix, lookup, schedule in (("", (), "constant"), ("-auto", (), "cost_aware"),
                                              ("-lookup-auto", ("lookup",), "cost_aware"))
         ),
+        # SmolLM2-135M, another tokenizer's model: translated (the tokens both vocabularies share, or through
+        # text), alone or below the Qwen 0.5B drafter; and transformers' UAD / USD with a copy of its own
+        *(_chain(f"ours-{name}{suffix}", levels, schedule)
+          for name, levels in (("smol", ("smol",)), ("smol-text", ("smol-text",)), ("draft-smol", ("draft", "smol")))
+          for suffix, schedule in (("", "constant"), ("-auto", "cost_aware"))),
+        Recipe("hf-assisted-smol", ("smol-hf",),
+               lambda ms, o: hf_other_tokenizer(ms.pool["smol-hf"], ms.labels["smol-hf"], o.num_draft_tokens,
+                                                "hf-assisted-smol")),
         Recipe(
             "hf-assisted-draft-h64k",
             ("draft-h64k",),

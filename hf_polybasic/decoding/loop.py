@@ -33,6 +33,7 @@ from ..costs import CostCurves
 from ..drafters import Drafter
 from ..runners.probe import check_cache, rows_problem
 from ..processing import DecodingRules, processors_for_row
+from ..translation.level import model_of
 from ..request import Request
 from ..schedule import BatchGate
 from ..runners.static import StaticRunner, capacity_for
@@ -165,7 +166,7 @@ def row_by_row_reason(target: torch.nn.Module, assistants: list, use_cache: bool
     row alone."""
     if not use_cache:
         return "use_cache=False (every forward recomputes its rows' whole sequences)"
-    for model in [target, *assistants]:
+    for model in [target, *map(model_of, assistants)]:
         if isinstance(model, Drafter):
             if not getattr(model, "stateless", False):
                 return f"the Drafter {type(model).__name__} keeps state between calls (Drafter.stateless is False)"
@@ -206,7 +207,7 @@ def decode_rows(
     roles = [f"target {names[0]}"] + [f"assistant_models[{i}] ({names[i + 1]})" for i in range(len(request.assistants))]
     for role, model in zip(roles, [target, *request.assistants]):
         if not isinstance(model, Drafter) and (use_cache or model is not target):
-            check_cache(model, role)
+            check_cache(model_of(model), role)
     rows = list(range(len(request.rows)))
     groups = [rows]
     if len(rows) > 1:

@@ -20,6 +20,7 @@ from tqdm.auto import tqdm
 from ..compat import decoding_processors, resolved_decoding
 from ..costs import forward_cost
 from ..drafters import Drafter
+from ..translation.level import Translated
 from ..processing import process_positions
 from ..timing import timed
 from ..user_warnings import warn
@@ -58,6 +59,10 @@ def _checked_candidates(candidates) -> dict[str, Any]:
         if not isinstance(label, str) or not label or label == TARGET:
             raise ValueError(f"candidate labels must be non-empty strings other than {TARGET!r}, got {label!r}")
         is_model = isinstance(candidate, torch.nn.Module) and hasattr(candidate, "config")
+        if isinstance(candidate, Translated):
+            raise TypeError(
+                f"candidates[{label!r}] is a translated level (another tokenizer): the planner does not measure those "
+                "yet; put it in assistant_models directly")
         if not isinstance(candidate, Drafter) and not is_model:
             raise TypeError(
                 f"candidates[{label!r}] must be a transformers model or a hf_polybasic.drafters.Drafter, "
