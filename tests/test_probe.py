@@ -308,3 +308,45 @@ def test_the_errors_page_quotes_the_static_runner_reasons():
 
     page = (Path(__file__).resolve().parent.parent / "docs" / "reference" / "errors.md").read_text()
     assert probe.STATIC_LOGITS_REASON in page and probe.DYNAMIC_QUANTIZATION_REASON in page
+
+
+
+def _static_call(target, draft, ids, exact: bool = True) -> list[str]:
+    """A greedy static call (equal to plain generate unless not ``exact``); the runner of each level."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="hf_polybasic runs .* on a dynamic cache")
+        out = target.generate(ids, custom_generate=hp.generate, assistant_models=[draft], polybasic_config=CONFIG,
+                              cache_implementation="static", return_dict_in_generate=True, **OPTIONS)
+    if exact:
+        assert torch.equal(out.sequences, target.generate(ids, **OPTIONS))
+    return [level.runner for level in out.polybasic_stats.levels]
+
+
+def test_a_verdict_is_probed_again_once_its_model_changed():
+    """A verdict holds for the model as it was probed (`hf_polybasic.models.fingerprint`). After a static call
+    the sdpa verdict was kept through ``set_attn_implementation("flex_attention")``, so the next static call fed
+    flex attention the static runner's mask (the process died: "double free or corruption", the slow test
+    below); a target quantized in place by ``quantize_dynamic`` after a probe ran on the static runner, which
+    refuses it fresh. Each change gets a new verdict."""
+    target, draft = make_chain("llama", 2, seed=6)
+    ids = prompt(6, seed=2)
+    assert _static_call(target, draft, ids) == ["static", "static"]
+    target.set_attn_implementation("flex_attention")
+    assert "'flex_attention' takes no explicit attention mask" in probe.static_problem(target)
+    target.set_attn_implementation("sdpa")
+    assert probe.static_problem(target) is None
+    torch.ao.quantization.quantize_dynamic(target, {torch.nn.Linear}, dtype=torch.qint8, inplace=True)
+    assert probe.static_problem(target) == probe.DYNAMIC_QUANTIZATION_REASON
+    # (an int8 target's logits depend on how many tokens a forward holds: no longer plain generate's exactly)
+    assert _static_call(target, draft, ids, exact=False) == ["dynamic", "static"]
+
+
+@pytest.mark.slow
+def test_a_static_call_after_switching_to_flex_attention_keeps_the_dynamic_runner_and_is_exact():
+    """The crash itself (flex attention compiles its kernels on the CPU: half a minute)."""
+    target, draft = make_chain("llama", 2, seed=6)
+    ids = prompt(6, seed=2)
+    assert _static_call(target, draft, ids) == ["static", "static"]
+    for model in (target, draft):
+        model.set_attn_implementation("flex_attention")
+    assert _static_call(target, draft, ids) == ["dynamic", "dynamic"]
