@@ -251,19 +251,22 @@ def _decode_group(target, request, processors, stopping_criteria, parts, clock, 
     if chain.gate is not None:  # what the batch's drafter would prefill, and the budget proposals could save on
         chain.gate.budget(sum(int(prompt.shape[0]) for prompt in prompts.values()),
                           max(max_lengths[row] - int(prompts[row].shape[0]) for row in prompts))
-    with timed(clock) as span:
-        if len(group) > 1 and request.repeats > 1 and _shares_prompts(prompts, request.repeats):
-            # num_return_sequences: each prompt is computed once; levels below the target only when the
-            # batch proposes at all (a batch its gate sits out from the start never runs them)
-            drafting = chain.gate is None or not chain.gate.paused
-            for runner in chain.runners[: None if drafting else 1]:
-                if runner is not None:
-                    runner.prefill_repeated(prompts, request.repeats)
-        decoded = decode(chain.top, prompts, max_lengths, stopping_criteria, request, chain.gate, clock)
-        if request.given_cache is not None and len(group) == 1:  # handed back: a hybrid's may hold fewer tokens
-            if isinstance(chain.runners[0], StaticRunner):  # the target decoded on its own static cache
-                chain.runners[0].copy_into(request.given_cache)
-            settle(chain.runners[0], torch.cat([prompts[0], decoded[0].tokens]))
+    try:
+        with timed(clock) as span:
+            if len(group) > 1 and request.repeats > 1 and _shares_prompts(prompts, request.repeats):
+                # num_return_sequences: each prompt is computed once; levels below the target only when the
+                # batch proposes at all (a batch its gate sits out from the start never runs them)
+                drafting = chain.gate is None or not chain.gate.paused
+                for runner in chain.runners[: None if drafting else 1]:
+                    if runner is not None:
+                        runner.prefill_repeated(prompts, request.repeats)
+            decoded = decode(chain.top, prompts, max_lengths, stopping_criteria, request, chain.gate, clock)
+            if request.given_cache is not None and len(group) == 1:  # handed back: a hybrid's may hold fewer tokens
+                if isinstance(chain.runners[0], StaticRunner):  # the target decoded on its own static cache
+                    chain.runners[0].copy_into(request.given_cache)
+                settle(chain.runners[0], torch.cat([prompts[0], decoded[0].tokens]))
+    finally:
+        chain.close()  # a call that raises gives its static caches back too
     stats = chain.finish(costs)
     for index, row in enumerate(group):
         results[row] = decoded[index]
