@@ -615,13 +615,30 @@ def streamer_of_calling_generate(max_depth: int = 6):
     frames (decorators such as ``torch.no_grad`` add some) to the nearest `GenerationMixin.generate`
     frame and reads its local variable.
     """
-    frame = sys._getframe(1)
+    return _local_of_calling_generate("streamer", max_depth)
+
+
+def assistant_model_of_calling_generate(max_depth: int = 6):
+    """The ``assistant_model`` argument of the `generate` call that invoked our `custom_generate`, or None.
+
+    transformers (4.57 - 5.24, `_extract_generation_mode_kwargs`) passes a `custom_generate` callable
+    only the arguments its own signature adds to `_sample`'s, so ``assistant_model=`` never reaches
+    it and the call would silently decode without that model. ``assistant_model`` is a parameter of
+    `GenerationMixin.generate` on every release the package admits: its frame still holds it.
+    """
+    return _local_of_calling_generate("assistant_model", max_depth)
+
+
+def _local_of_calling_generate(name: str, max_depth: int):
+    """The local ``name`` of the nearest `GenerationMixin.generate` frame within ``max_depth`` frames
+    above the caller of this module's function that asks (our `custom_generate`), or None."""
+    frame = sys._getframe(2)
     for _ in range(max_depth):
         frame = frame.f_back
         if frame is None:
             return None
         if frame.f_code.co_name == "generate" and frame.f_globals.get("__name__") == "transformers.generation.utils":
-            return frame.f_locals.get("streamer")
+            return frame.f_locals.get(name)
     return None
 
 
