@@ -20,11 +20,13 @@ topic:
   positions, its config's ``layer_types``); `given_cache`, `OUTPUT_CACHE_FIELD` (what `generate` and its
   output call the cache: ``cache`` from transformers 5.24 on);
 * models: `accepts_logits_to_keep`, `is_stateful`;
-* generate: `streamer_of_calling_generate` (the caller's frame), `prepared_pad_token_id`
+* generate: `streamer_of_calling_generate` and `assistant_model_of_calling_generate` (the caller's
+  frame), `prepared_pad_token_id`
   (``GenerationConfig._pad_token_tensor``), `mark_as_user_config` (``_from_model_config``);
 * loading: `gguf_tensors` (transformers' GGUF reader: its dequantization, tensor processors and
   name map, ``transformers.modeling_gguf_pytorch_utils``, one tensor at a time);
-* logits processors: `shift_positions` (the attributes that hold absolute positions),
+* logits processors: `shift_positions` (the attributes that hold absolute positions, the processors
+  that read the prefix's length: `LENGTH_READING_PROCESSORS`),
   `processor_for_row` (the attributes that hold the whole batch's prompts or call the user per row),
   `processor_on_device` (the tensors a processor holds),
   `decoding_processors` and `resolved_decoding` (the processors and defaults `generate` builds, for
@@ -697,9 +699,28 @@ def _repetition_penalty_skips_row_padding() -> bool:
 REPETITION_PENALTY_SKIPS_ROW_PADDING = _repetition_penalty_skips_row_padding()
 
 
+# Processors that read the length of the prefix they are handed, not its tokens (4.57 - 5.24:
+# `ForcedBOSTokenLogitsProcessor` forces BOS where that length is 1): in a padded batch they count the
+# row's padding too, so a row decoded without it hands them a prefix with the padding put back.
+LENGTH_READING_PROCESSORS: tuple[type, ...] = (lp.ForcedBOSTokenLogitsProcessor,)
+
+
+class _LeftPadded(lp.LogitsProcessor):
+    """``processor`` handed every prefix behind ``padding`` pad ids: the length the padded batch gave it."""
+
+    def __init__(self, processor: lp.LogitsProcessor, padding: int):
+        self.processor, self.padding = processor, padding
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        return self.processor(torch.nn.functional.pad(input_ids, (self.padding, 0)), scores)
+
+
 def shift_positions(processor: lp.LogitsProcessor, shift: int) -> lp.LogitsProcessor:
     """``processor`` with its absolute positions moved ``shift`` tokens earlier (a copy), or itself
-    when it counts none. A count of skipped leading tokens shrinks by ``shift`` down to 0."""
+    when it counts none. A count of skipped leading tokens shrinks by ``shift`` down to 0; a
+    processor that reads the prefix's length sees it with the ``shift`` pads back in front."""
+    if shift != 0 and type(processor) in LENGTH_READING_PROCESSORS:
+        return _LeftPadded(processor, shift)
     attribute = POSITION_ATTRIBUTES.get(type(processor))
     if attribute is not None and shift != 0:
         shifted = copy.copy(processor)
