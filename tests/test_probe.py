@@ -311,6 +311,47 @@ def test_the_errors_page_quotes_the_static_runner_reasons():
 
 
 
+def test_a_value_kept_per_model_is_found_only_for_the_model_as_it_was():
+    """`PerModel` (what verdicts, views, pooled caches and compiled forwards are kept in): a value is found
+    again while the model is left as it was or its weights are loaded in place, and no longer once it is
+    cast (also on the meta device, where no storage tells), given new storage of the same dtype, changed
+    in its modules (even one without parameters) or its attention implementation."""
+    from hf_polybasic.models.fingerprint import PerModel
+
+    kept = PerModel()
+    model = make_chain("llama", 1, seed=7)[0]
+    model.model.register_module("unused", None)  # a child left None is skipped
+
+    def found(value) -> bool:
+        kept.put(model, value)
+        return kept.get(model) == value and model in kept and kept[model] == value
+
+    assert found("as built") and kept.setdefault(model, lambda: "made again") == "as built"
+    with torch.no_grad():
+        model.lm_head.weight.mul_(2.0)  # values loaded in place: the same tensors
+    assert kept.get(model) == "as built"
+    changes = [
+        lambda: model.to(torch.float64),
+        lambda: setattr(model.lm_head.weight, "data", model.lm_head.weight.data.clone()),  # new storage, same dtype
+        lambda: setattr(model.model.layers[0].mlp, "act_fn", torch.nn.GELU()),  # a module without parameters
+        lambda: model.set_attn_implementation("eager"),
+    ]
+    for change in changes:
+        assert found("before")
+        change()
+        assert kept.get(model, "gone") == "gone" and model not in kept
+        with pytest.raises(KeyError):
+            kept[model]
+        assert kept.setdefault(model, lambda: "made again") == "made again" and kept[model] == "made again"
+    meta = torch.nn.Linear(3, 3, device="meta")
+    kept.put(meta, "on meta")
+    assert kept.get(meta) == "on meta"
+    meta.to(torch.float64)
+    assert kept.get(meta) is None
+    # a value another thread kept while this one made its own wins
+    assert kept.setdefault(meta, lambda: kept.put(meta, "theirs") or "mine") == "theirs"
+
+
 def _static_call(target, draft, ids, exact: bool = True) -> list[str]:
     """A greedy static call (equal to plain generate unless not ``exact``); the runner of each level."""
     with warnings.catch_warnings():
