@@ -21,7 +21,7 @@ topic:
   output call the cache: ``cache`` from transformers 5.24 on);
 * models: `accepts_logits_to_keep`, `is_stateful`;
 * generate: `streamer_of_calling_generate` and `assistant_model_of_calling_generate` (the caller's
-  frame), `prepared_pad_token_id`
+  frame), `pads_finished_rows` (when batched `generate` pads a stopped row), `prepared_pad_token_id`
   (``GenerationConfig._pad_token_tensor``), `mark_as_user_config` (``_from_model_config``);
 * loading: `gguf_tensors` (transformers' GGUF reader: its dequantization, tensor processors and
   name map, ``transformers.modeling_gguf_pytorch_utils``, one tensor at a time);
@@ -642,6 +642,13 @@ def _local_of_calling_generate(name: str, max_depth: int):
         if frame.f_code.co_name == "generate" and frame.f_globals.get("__name__") == "transformers.generation.utils":
             return frame.f_locals.get(name)
     return None
+
+
+def pads_finished_rows(stopping_criteria) -> bool:
+    """Whether plain batched `generate` writes pad ids after a row that a stopping criterion ended: only
+    when one of its criteria has an ``eos_token_id`` (`_sample`'s ``has_eos_stopping_criteria``, 4.57 -
+    5.24). Without one, such a row goes on with the model's own tokens until every row has stopped."""
+    return any(hasattr(criterion, "eos_token_id") for criterion in stopping_criteria)
 
 
 def prepared_pad_token_id(generation_config):
