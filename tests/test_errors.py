@@ -221,9 +221,13 @@ def test_a_paged_cache_is_refused_naming_what_to_use(own_chain):
     from transformers import GenerationConfig
 
     target, *chain = own_chain
-    paged = GenerationConfig(cache_implementation="paged", max_new_tokens=4, eos_token_id=2, pad_token_id=0)
-    with pytest.raises(ValueError, match="continuous batching .* cache_implementation='static'"):
-        target.generate(prompt(4), custom_generate=hp.generate, assistant_models=chain, generation_config=paged)
+    try:
+        paged = GenerationConfig(cache_implementation="paged", max_new_tokens=4, eos_token_id=2, pad_token_id=0)
+    except ValueError:  # transformers 4.57 refuses the value itself
+        paged = None
+    if paged is not None:
+        with pytest.raises(ValueError, match="continuous batching .* cache_implementation='static'"):
+            target.generate(prompt(4), custom_generate=hp.generate, assistant_models=chain, generation_config=paged)
     hp.enable(target)
     try:
         with pytest.raises(ValueError, match="cache_implementation='paged' runs transformers' continuous batching"):
