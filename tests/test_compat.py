@@ -425,16 +425,16 @@ def test_positions_shift_on_a_copy(processor, attribute):
 
 def test_a_processor_that_reads_the_prefixs_length_sees_the_removed_padding_again():
     """ForcedBOS forces where its prefix is one token long, counted in the padded batch (its only reader of
-    the prefix is its length): a row of one token that lost 3 pads is not forced, an unpadded one is."""
+    the prefix is its length): a row of one token that lost a pad is not forced, an unpadded one is."""
     forced = lp.ForcedBOSTokenLogitsProcessor(5)
     assert lp.ForcedBOSTokenLogitsProcessor in compat.LENGTH_READING_PROCESSORS
     scores = torch.zeros(1, 8)
     one_token = torch.tensor([[6]])
     assert compat.shift_positions(forced, 0) is forced
     assert torch.isinf(forced(one_token, scores.clone())).sum() == 7  # alone, one token: forced
-    padded = compat.shift_positions(forced, 3)
-    assert torch.equal(padded(one_token, scores.clone()), scores)  # as plain generate sees it: 4 tokens wide
-    assert torch.equal(padded(one_token, scores.clone()), forced(torch.tensor([[0, 0, 0, 6]]), scores.clone()))
+    padded = compat.shift_positions(forced, 1)
+    assert torch.equal(padded(one_token, scores.clone()), scores)  # as plain generate sees it: 2 tokens wide
+    assert torch.equal(padded(one_token, scores.clone()), forced(torch.tensor([[0, 6]]), scores.clone()))
 
 
 @pytest.mark.skipif(not compat.REPETITION_PENALTY_SKIPS_ROW_PADDING, reason="this transformers has no per-row count")

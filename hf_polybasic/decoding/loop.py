@@ -227,7 +227,7 @@ def decode_rows(
             total = stats
         else:
             total.merge(stats)
-    if len(rows) > 1 and not pads_finished_rows(stopping_criteria):
+    if not pads_finished_rows(stopping_criteria):
         # plain batched generate pads a row a criterion stopped only beside an EOS criterion; without one
         # the row goes on with its own tokens until the last row stops: rows stopped earlier go on from
         # their text to the batch's length, no criterion stopping them (a fresh chain: caches prefilled again)
