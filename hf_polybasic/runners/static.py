@@ -265,8 +265,8 @@ def take_cache(model, rows: int, capacity: int) -> SlotCache:
 
 
 def return_cache(model, cache: SlotCache) -> None:
-    """Give a cache back for later calls: one kept per model and batch size, the largest (none made
-    for the model as it was before a change)."""
+    """Give a cache back for later calls: one kept per model and batch size, the largest (those kept
+    before a change of the model are dropped)."""
     with _pool_lock:
         kept = _pool.setdefault(model, dict)
         if cache.rows not in kept or kept[cache.rows].capacity < cache.capacity:
