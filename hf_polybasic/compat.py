@@ -20,11 +20,13 @@ topic:
   positions, its config's ``layer_types``); `given_cache`, `OUTPUT_CACHE_FIELD` (what `generate` and its
   output call the cache: ``cache`` from transformers 5.24 on);
 * models: `accepts_logits_to_keep`, `is_stateful`;
-* generate: `streamer_of_calling_generate` (the caller's frame), `prepared_pad_token_id`
+* generate: `streamer_of_calling_generate` and `assistant_model_of_calling_generate` (the caller's
+  frame), `pads_finished_rows` (when batched `generate` pads a stopped row), `prepared_pad_token_id`
   (``GenerationConfig._pad_token_tensor``), `mark_as_user_config` (``_from_model_config``);
 * loading: `gguf_tensors` (transformers' GGUF reader: its dequantization, tensor processors and
   name map, ``transformers.modeling_gguf_pytorch_utils``, one tensor at a time);
-* logits processors: `shift_positions` (the attributes that hold absolute positions),
+* logits processors: `shift_positions` (the attributes that hold absolute positions, the processors
+  that read the prefix's length: `LENGTH_READING_PROCESSORS`),
   `processor_for_row` (the attributes that hold the whole batch's prompts or call the user per row),
   `processor_on_device` (the tensors a processor holds),
   `decoding_processors` and `resolved_decoding` (the processors and defaults `generate` builds, for
@@ -615,14 +617,38 @@ def streamer_of_calling_generate(max_depth: int = 6):
     frames (decorators such as ``torch.no_grad`` add some) to the nearest `GenerationMixin.generate`
     frame and reads its local variable.
     """
-    frame = sys._getframe(1)
+    return _local_of_calling_generate("streamer", max_depth)
+
+
+def assistant_model_of_calling_generate(max_depth: int = 6):
+    """The ``assistant_model`` argument of the `generate` call that invoked our `custom_generate`, or None.
+
+    transformers (4.57 - 5.24, `_extract_generation_mode_kwargs`) passes a `custom_generate` callable
+    only the arguments its own signature adds to `_sample`'s, so ``assistant_model=`` never reaches
+    it and the call would silently decode without that model. ``assistant_model`` is a parameter of
+    `GenerationMixin.generate` on every release the package admits: its frame still holds it.
+    """
+    return _local_of_calling_generate("assistant_model", max_depth)
+
+
+def _local_of_calling_generate(name: str, max_depth: int):
+    """The local ``name`` of the nearest `GenerationMixin.generate` frame within ``max_depth`` frames
+    above the caller of this module's function that asks (our `custom_generate`), or None."""
+    frame = sys._getframe(2)
     for _ in range(max_depth):
         frame = frame.f_back
         if frame is None:
             return None
         if frame.f_code.co_name == "generate" and frame.f_globals.get("__name__") == "transformers.generation.utils":
-            return frame.f_locals.get("streamer")
+            return frame.f_locals.get(name)
     return None
+
+
+def pads_finished_rows(stopping_criteria) -> bool:
+    """Whether plain batched `generate` writes pad ids after a row that a stopping criterion ended: only
+    when one of its criteria has an ``eos_token_id`` (`_sample`'s ``has_eos_stopping_criteria``, 4.57 -
+    5.24). Without one, such a row goes on with the model's own tokens until every row has stopped."""
+    return any(hasattr(criterion, "eos_token_id") for criterion in stopping_criteria)
 
 
 def prepared_pad_token_id(generation_config):
@@ -680,9 +706,28 @@ def _repetition_penalty_skips_row_padding() -> bool:
 REPETITION_PENALTY_SKIPS_ROW_PADDING = _repetition_penalty_skips_row_padding()
 
 
+# Processors that read the length of the prefix they are handed, not its tokens (4.57 - 5.24:
+# `ForcedBOSTokenLogitsProcessor` forces BOS where that length is 1): in a padded batch they count the
+# row's padding too, so a row decoded without it hands them a prefix with the padding put back.
+LENGTH_READING_PROCESSORS: tuple[type, ...] = (lp.ForcedBOSTokenLogitsProcessor,)
+
+
+class _LeftPadded(lp.LogitsProcessor):
+    """``processor`` handed every prefix behind ``padding`` pad ids: the length the padded batch gave it."""
+
+    def __init__(self, processor: lp.LogitsProcessor, padding: int):
+        self.processor, self.padding = processor, padding
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        return self.processor(torch.nn.functional.pad(input_ids, (self.padding, 0)), scores)
+
+
 def shift_positions(processor: lp.LogitsProcessor, shift: int) -> lp.LogitsProcessor:
     """``processor`` with its absolute positions moved ``shift`` tokens earlier (a copy), or itself
-    when it counts none. A count of skipped leading tokens shrinks by ``shift`` down to 0."""
+    when it counts none. A count of skipped leading tokens shrinks by ``shift`` down to 0; a
+    processor that reads the prefix's length sees it with the ``shift`` pads back in front."""
+    if shift != 0 and type(processor) in LENGTH_READING_PROCESSORS:
+        return _LeftPadded(processor, shift)
     attribute = POSITION_ATTRIBUTES.get(type(processor))
     if attribute is not None and shift != 0:
         shifted = copy.copy(processor)

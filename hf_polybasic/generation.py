@@ -20,12 +20,13 @@ from transformers import GenerationMixin
 from transformers.generation import StoppingCriteriaList, StopStringCriteria
 
 from .decoding.build import ChainParts
-from .compat import stop_recording_past_states, streamer_of_calling_generate, warn_if_untested
+from .compat import (assistant_model_of_calling_generate, stop_recording_past_states, streamer_of_calling_generate,
+                     warn_if_untested)
 from .config import PolybasicConfig
 from .costs import DEFAULT_COST_CURVES, CostCurves
 from .decoding.loop import decode_rows
 from .outputs import PolybasicGenerateOutput, assemble_output
-from .request import check_request, resolve_config, validate_assistant_models
+from .request import HF_ASSISTANT_MODEL, PAGED_CACHE, check_request, resolve_config, validate_assistant_models
 from .stats import PolybasicStats
 from .translation.level import translated
 from .timing import DEFAULT_CLOCK, Clock
@@ -86,6 +87,8 @@ def make_generate(
         available as `last_stats(model)`).
         """
         warn_if_untested()
+        if assistant_model_of_calling_generate() is not None:  # transformers dropped it before this call
+            raise ValueError(HF_ASSISTANT_MODEL)
         if streamer is None:
             streamer = streamer_of_calling_generate()
         request = check_request(
@@ -181,10 +184,9 @@ def _route_generate(model, plain: type, *args, **kwargs):
     if kwargs.get("custom_generate") is not None:
         raise ValueError("this model is enabled for hf_polybasic; do not also pass `custom_generate`")
     if kwargs.get("assistant_model") is not None:
-        raise ValueError(
-            "`assistant_model=` (transformers' two-model assisted generation) cannot be combined with "
-            "hf_polybasic's `assistant_models=`; put every assistant in `assistant_models`"
-        )
+        raise ValueError(HF_ASSISTANT_MODEL)
+    if kwargs.get("cache_implementation") == "paged":  # transformers would switch before our callable runs
+        raise ValueError(PAGED_CACHE)
     if kwargs.get("polybasic_config") is None and defaults.polybasic_config is not None:
         kwargs["polybasic_config"] = defaults.polybasic_config
     if kwargs.get("tokenizer") is not None:  # transformers drops it before our callable: check here

@@ -28,6 +28,19 @@ HANDLED_MODEL_KWARGS = frozenset(
     {"attention_mask", *compat.CACHE_KWARGS, "use_cache", "logits_to_keep", "position_ids"}
 )  # the cache under every name generate gives it (`compat.CACHE_KWARGS`: ``cache`` from transformers 5.24 on)
 UNSUPPORTED_OUTPUTS = ("output_attentions", "output_hidden_states")
+# transformers' own assisted generation asked beside a chain: refused by `hp.generate` and the enabled
+# route alike (`hf_polybasic.generation`; transformers drops ``assistant_model`` before a callable sees it)
+HF_ASSISTANT_MODEL = (
+    "`assistant_model=` (transformers' two-model assisted generation) cannot be combined with "
+    "hf_polybasic's `assistant_models=`; put every assistant in `assistant_models`"
+)
+# transformers switches ``cache_implementation="paged"`` to continuous batching (`generate_batch`) before a
+# `custom_generate` callable is reached, where it is passed as a keyword (from 5.x); refused where we see it
+PAGED_CACHE = (
+    "cache_implementation='paged' runs transformers' continuous batching (generate_batch), which never runs "
+    "the chain: leave it out (hf_polybasic decodes a left-padded batch of prompts together), or pass "
+    "cache_implementation='static' for static caches"
+)
 # the longest draft of the PromptLookup that PolybasicConfig(prompt_lookup=True) adds, under the
 # cost-aware schedule (which shortens it as acceptance says); the other schedules draft K
 ADDED_LOOKUP_TOKENS = 8
@@ -263,6 +276,8 @@ def validate_generation_config(generation_config) -> None:
             f"{OTHER_GENERATION_MODES[mode]} selects another decoding method than greedy search or sampling, which is "
             "all hf_polybasic runs; remove the option, or use plain generate for that method"
         )
+    if getattr(generation_config, "cache_implementation", None) == "paged":
+        raise ValueError(PAGED_CACHE)
     if generation_config.num_beams is not None and generation_config.num_beams > 1:
         raise ValueError(
             f"num_beams={generation_config.num_beams}: hf_polybasic supports greedy search and sampling, not beam search"
@@ -323,6 +338,12 @@ def row_prompts(input_ids: torch.LongTensor, attention_mask: torch.Tensor | None
     mask = attention_mask.bool()
     malformed = (mask[:, 1:].int() < mask[:, :-1].int()).any(-1) | ~mask[:, -1]  # [B]
     padding = torch.stack([malformed.long(), (~mask).sum(-1)]).tolist()
+    empty = [row for row, pad in enumerate(padding[1]) if pad == mask.shape[1]]
+    if empty:
+        raise ValueError(
+            f"row {empty[0]} of attention_mask is all zeros: that prompt has no token to generate from; drop the "
+            "row, or give it at least one token"
+        )
     if any(padding[0]):
         raise ValueError(
             "hf_polybasic needs left padding for batched prompts (attention_mask of the form 0..0 1..1); "

@@ -8,7 +8,7 @@ from unittest import mock
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from helpers import ALPHA, SETTINGS, STEPS, VOCAB, assert_every_level_took_part, chi_square_p_value, exact_joint
 from helpers import left_padded
@@ -265,18 +265,59 @@ def test_every_schedule_had_rounds_decided_on_the_device():
 
 
 def test_a_row_that_stops_leaves_the_batchs_work(shared_models):
+    """(With an EOS id, as plain generate pads a stopped row only beside an EOS criterion; none of these
+    rows meets EOS within the budget.)"""
     target, draft = shared_models.chain("llama", 2, seed=72)
     prompts = [prompt(5, seed=200 + row)[0] for row in range(4)]
     ids, mask = left_padded(prompts)
     criteria = StoppingCriteriaList([StopAfterForPrompt(prompts[0], prompts[0].shape[0] + 6)])
     out = target.generate(ids, attention_mask=mask, custom_generate=hp.generate, assistant_models=[draft],
                           polybasic_config=CONFIG, return_dict_in_generate=True, do_sample=False, max_new_tokens=30,
-                          eos_token_id=None, pad_token_id=PAD, stopping_criteria=criteria)
+                          eos_token_id=EOS, pad_token_id=PAD, stopping_criteria=criteria)
     new = out.sequences[:, ids.shape[1] :]
     assert int((new[0] != PAD).sum()) <= 6 and all(int((r != PAD).sum()) == 30 for r in new[1:])
     top = out.polybasic_stats.levels[0]
     # rounds after row 0 stopped verified three rows, not four
     assert top.verifications < 4 * top.forward_passes
+
+
+class StopAtTokens(StoppingCriteria):
+    """Stops a row at any of ``tokens``; no ``eos_token_id`` attribute: not an EOS criterion to transformers."""
+
+    def __init__(self, tokens):
+        self.tokens = torch.tensor(sorted(tokens))
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return torch.isin(input_ids[:, -1], self.tokens.to(input_ids.device))
+
+
+@given(lengths=st.lists(st.integers(1, 7), min_size=2, max_size=4), seed=st.integers(0, 10_000),
+       eos=st.sampled_from([None, EOS]), use_cache=st.booleans(), step=st.integers(0, 3))
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_rows_a_criterion_stopped_are_laid_out_as_plain_batched_generate_lays_them_out(
+        lengths, seed, eos, use_cache, step, shared_models):
+    """Plain batched generate pads a row that a stopping criterion ended only beside an EOS criterion
+    (``has_eos_stopping_criteria``); with ``eos_token_id=None`` the row goes on with its own tokens until
+    every row has stopped (the chain padded it). Rows shared (``use_cache=True``) or decoded one by one
+    (``use_cache=False``), with and without an EOS id; the first row stops early, the others when they
+    meet its stop token."""
+    target, *assistants = shared_models.chain("llama", 3, seed=77)
+    prompts = [prompt(length, seed=seed + row)[0] for row, length in enumerate(lengths)]
+    ids, mask = left_padded(prompts)
+    options = dict(attention_mask=mask, do_sample=False, max_new_tokens=16, pad_token_id=PAD, use_cache=use_cache)
+    free = target.generate(ids, eos_token_id=None, **options)[:, ids.shape[1] :]
+    criteria = StoppingCriteriaList([StopAtTokens({int(free[0, step])})])
+    options.update(eos_token_id=eos, stopping_criteria=criteria, return_dict_in_generate=True, output_scores=True)
+    expected = target.generate(ids, **options)
+    assume(expected.sequences.shape[1] > ids.shape[1] + step + 1)  # a row went on after the first one stopped
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="hf_polybasic decodes this batch row by row")
+        out = target.generate(ids, custom_generate=hp.generate, assistant_models=assistants, polybasic_config=CONFIG,
+                              **options)
+    assert torch.equal(out.sequences, expected.sequences)
+    assert_every_level_took_part(out.polybasic_stats, rejections=False, acceptances=False)
+    if eos is None:  # every row has a token at every step: its scores too (a row gone on, those of its own text)
+        torch.testing.assert_close(torch.stack(out.scores), torch.stack(expected.scores), rtol=1e-4, atol=1e-4)
 
 
 def _two_prompt_samples(target, assistants, generate, seed, **config):
@@ -422,7 +463,8 @@ def test_the_cache_is_compacted_without_changing_any_rows_logits(shared_models):
 
 def test_rows_that_stop_leave_every_later_forward(shared_models):
     """4 rows, 3 of them stop after 2 tokens: the later target forwards are one row wide (they
-    stayed 4 wide, and the lone survivor was priced as if 4 rows shared them)."""
+    stayed 4 wide, and the lone survivor was priced as if 4 rows shared them). (With an EOS id: without
+    one, plain generate's stopped rows go on; none of these rows meets EOS.)"""
     target, draft = shared_models.chain("llama", 2, seed=76)
     prompts = [prompt(5, seed=400 + row)[0] for row in range(4)]
     ids, mask = left_padded(prompts)
@@ -434,12 +476,12 @@ def test_rows_that_stop_leave_every_later_forward(shared_models):
                                               with_kwargs=True)
     try:
         out = target.generate(ids, attention_mask=mask, custom_generate=hp.generate, assistant_models=[draft],
-                              polybasic_config=CONFIG, do_sample=False, max_new_tokens=30, eos_token_id=None,
+                              polybasic_config=CONFIG, do_sample=False, max_new_tokens=30, eos_token_id=EOS,
                               pad_token_id=PAD, stopping_criteria=criteria)
     finally:
         handle.remove()
     for row, p in enumerate(prompts):
-        alone = target.generate(p[None], do_sample=False, max_new_tokens=30 if row == 0 else 2, eos_token_id=None)
+        alone = target.generate(p[None], do_sample=False, max_new_tokens=30 if row == 0 else 2, eos_token_id=EOS)
         new = alone[0, p.shape[0] :]
         assert torch.equal(out[row, ids.shape[1] : ids.shape[1] + new.shape[0]], new)
         assert (out[row, ids.shape[1] + new.shape[0] :] == PAD).all()

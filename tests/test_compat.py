@@ -373,6 +373,39 @@ def test_prepared_pad_token_is_preferred_and_user_configs_are_marked():
     assert config._from_model_config is False
 
 
+def test_the_generate_frame_holds_the_arguments_a_custom_generate_callable_is_not_given():
+    """`streamer_of_calling_generate` and `assistant_model_of_calling_generate` read generate's own
+    parameters from its frame; a callable custom_generate is given neither (assistant_model: only the
+    callable's own arguments beside ``_sample``'s are passed)."""
+    from transformers import GenerationMixin
+
+    parameters = inspect.signature(GenerationMixin.generate).parameters
+    assert {"streamer", "assistant_model"} <= set(parameters)
+    source = inspect.getsource(GenerationMixin._extract_generation_mode_kwargs)
+    assert "new_custom_keys" in source  # a callable's arguments replace the mode's (assistant_model dropped)
+
+    def custom(model, input_ids, logits_processor, stopping_criteria, generation_config, **model_kwargs):
+        assert "assistant_model" not in model_kwargs
+        return (compat.streamer_of_calling_generate(), compat.assistant_model_of_calling_generate())
+
+    target = make_target("llama", seed=2)
+    helper = make_target("llama", seed=3)
+    assert target.generate(prompt(3), custom_generate=custom, max_new_tokens=2) == (None, None)
+    assert target.generate(prompt(3), custom_generate=custom, assistant_model=helper, max_new_tokens=2) == (None,
+                                                                                                             helper)
+
+
+def test_batched_generate_pads_a_stopped_row_only_beside_an_eos_criterion():
+    from transformers import GenerationMixin
+    from transformers.generation import EosTokenCriteria, MaxLengthCriteria, StoppingCriteriaList
+
+    source = inspect.getsource(GenerationMixin._sample)
+    assert 'has_eos_stopping_criteria = any(hasattr(criteria, "eos_token_id") for criteria in stopping_criteria)' in source
+    assert "if has_eos_stopping_criteria:" in source
+    assert compat.pads_finished_rows(StoppingCriteriaList([MaxLengthCriteria(9), EosTokenCriteria(2)]))
+    assert not compat.pads_finished_rows(StoppingCriteriaList([MaxLengthCriteria(9)]))
+
+
 # --- logits processors -----------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "processor, attribute",
@@ -388,6 +421,20 @@ def test_positions_shift_on_a_copy(processor, attribute):
     shifted = compat.shift_positions(processor, 4)
     assert getattr(shifted, attribute) == before - 4 and getattr(processor, attribute) == before
     assert compat.shift_positions(processor, 0) is processor
+
+
+def test_a_processor_that_reads_the_prefixs_length_sees_the_removed_padding_again():
+    """ForcedBOS forces where its prefix is one token long, counted in the padded batch (its only reader of
+    the prefix is its length): a row of one token that lost a pad is not forced, an unpadded one is."""
+    forced = lp.ForcedBOSTokenLogitsProcessor(5)
+    assert lp.ForcedBOSTokenLogitsProcessor in compat.LENGTH_READING_PROCESSORS
+    scores = torch.zeros(1, 8)
+    one_token = torch.tensor([[6]])
+    assert compat.shift_positions(forced, 0) is forced
+    assert torch.isinf(forced(one_token, scores.clone())).sum() == 7  # alone, one token: forced
+    padded = compat.shift_positions(forced, 1)
+    assert torch.equal(padded(one_token, scores.clone()), scores)  # as plain generate sees it: 2 tokens wide
+    assert torch.equal(padded(one_token, scores.clone()), forced(torch.tensor([[0, 6]]), scores.clone()))
 
 
 @pytest.mark.skipif(not compat.REPETITION_PENALTY_SKIPS_ROW_PADDING, reason="this transformers has no per-row count")

@@ -198,6 +198,55 @@ def test_enabled_model_rejects_mixing_with_hf_assistant_model(own_chain):
         hp.disable(target)
 
 
+def test_hf_assistant_model_beside_custom_generate_is_refused_as_the_enabled_route_refuses_it(own_chain):
+    """transformers drops ``assistant_model=`` before a callable custom_generate sees it: the chain ran
+    without that model, silently. It is refused with the enabled route's message."""
+    target, m2, m3 = own_chain
+    with pytest.raises(ValueError) as plain_route:
+        run(target, [m2], assistant_model=m3)
+    hp.enable(target)
+    try:
+        with pytest.raises(ValueError) as enabled_route:
+            target.generate(prompt(4), assistant_models=[m2], assistant_model=m3, max_new_tokens=4)
+    finally:
+        hp.disable(target)
+    assert str(plain_route.value) == str(enabled_route.value)
+    assert "`assistant_model=` (transformers' two-model assisted generation) cannot be combined" in str(plain_route.value)
+
+
+def test_a_paged_cache_is_refused_naming_what_to_use(own_chain):
+    """``cache_implementation="paged"`` switches transformers to continuous batching, where the chain never
+    runs (another output shape, said only in transformers' log). Refused where the call reaches us: the
+    enabled route (before transformers switches) and the callable (a generation config asking for it)."""
+    from transformers import GenerationConfig
+
+    target, *chain = own_chain
+    try:
+        paged = GenerationConfig(cache_implementation="paged", max_new_tokens=4, eos_token_id=2, pad_token_id=0)
+    except ValueError:  # transformers 4.57 refuses the value itself
+        paged = None
+    if paged is not None:
+        with pytest.raises(ValueError, match="continuous batching .* cache_implementation='static'"):
+            target.generate(prompt(4), custom_generate=hp.generate, assistant_models=chain, generation_config=paged)
+    hp.enable(target)
+    try:
+        with pytest.raises(ValueError, match="cache_implementation='paged' runs transformers' continuous batching"):
+            target.generate(prompt(4), assistant_models=chain, cache_implementation="paged", max_new_tokens=4)
+        assert target.generate(prompt(4), cache_implementation="static", max_new_tokens=4).shape == (1, 8)
+    finally:
+        hp.disable(target)
+
+
+def test_a_row_without_any_token_gets_its_own_message(chain):
+    """A row whose attention mask is all zeros has nothing to generate from; it was called right padding."""
+    ids = torch.tensor([[5, 6, 7], [0, 0, 0], [0, 8, 9]])
+    mask = torch.tensor([[1, 1, 1], [0, 0, 0], [0, 1, 1]])
+    with pytest.raises(ValueError, match="row 1 of attention_mask is all zeros") as refused:
+        chain[0].generate(ids, attention_mask=mask, custom_generate=hp.generate, assistant_models=list(chain[1:]),
+                          max_new_tokens=4, pad_token_id=0)
+    assert "padding" not in str(refused.value)
+
+
 def test_enabled_model_with_an_explicitly_empty_chain_is_an_error(own_chain):
     target = own_chain[0]
     hp.enable(target, assistant_models=list(own_chain[1:]))

@@ -319,6 +319,24 @@ def test_min_new_tokens_counts_new_tokens_of_each_padded_row(chain):
         assert (out[row, width + tokens.shape[0] :] == PAD).all()
 
 
+@pytest.mark.parametrize("lengths", [(1, 5), (1, 1, 3), (1,)])
+def test_forced_bos_follows_plain_batched_generate_on_a_padded_row_of_one_token(lengths, chain):
+    """``forced_bos_token_id`` forces BOS where the prefix its processor sees is one token long: in a padded
+    batch a row of one real token is wider, so plain generate does not force it there (the chain did, and
+    the row's tokens then differed); a batch of one-token rows, unpadded, is forced in every row."""
+    from helpers import left_padded
+
+    target, *assistants = chain
+    prompts = [prompt(length, seed=20 + row)[0] for row, length in enumerate(lengths)]
+    ids, mask = left_padded(prompts)
+    options = dict(attention_mask=mask, do_sample=False, max_new_tokens=6, pad_token_id=PAD, eos_token_id=None,
+                   forced_bos_token_id=EOS + 5)
+    expected = target.generate(ids, **options)
+    assert torch.equal(polybasic(target, assistants, ids, **options), expected)
+    forced = (expected[:, ids.shape[1]] == EOS + 5).tolist()
+    assert forced == [ids.shape[1] == 1] * len(lengths)
+
+
 def test_num_return_sequences_samples_independent_rows(chain):
     target, *assistants = chain
     ids = prompt(4, seed=9)

@@ -286,13 +286,6 @@ TRANSFORMERS_BATCH_QUIRKS: list[Exemption] = [
         lambda case: case.padded and (case.repetition_penalty is not None or case.no_repeat_ngram_size is not None),
     ),
     Exemption(
-        "a stop without an EOS id does not end a batched row",
-        "with eos_token_id=None plain batched generate has no EOS criterion, and only then does it pad the rows "
-        "that stopped (_sample: has_eos_stopping_criteria); a row whose stop string fired keeps generating "
-        "until every row stopped, where the row alone (and hf_polybasic) ends at the stop",
-        lambda case: case.rows > 1 and case.stop_pick is not None and case.eos == "none",
-    ),
-    Exemption(
         "sequence bias across the padding",
         "SequenceBiasLogitsProcessor matches a biased sequence's prefix against the padded input_ids; a pad "
         "id in a bias key matches the padding in the batch only",
@@ -557,15 +550,34 @@ def _row_end(new: list[int], prompt_row: torch.LongTensor, eos: list[int] | None
     return min(budget, len(new)), False
 
 
+def stopped_rows_go_on(resolved: Resolved) -> bool:
+    """Whether a row of the batch that a stop string ended goes on with its own tokens until the last row
+    stops: plain batched generate pads a finished row only beside an EOS criterion (_sample:
+    has_eos_stopping_criteria), which eos_token_id=None leaves out; hf_polybasic follows it."""
+    return len(resolved.rows) > 1 and resolved.eos is None and bool(resolved.stop_strings)
+
+
+def rows_alone(target, case: Case, resolved: Resolved) -> list:
+    """Each row decoded alone by plain generate (a row's oracle); where stopped rows go on
+    (`stopped_rows_go_on`), every row decoded alone without the stop to the length of the one that stopped last."""
+    width = resolved.ids.shape[1]
+    alone = [plain_generate(target, resolved, row[None], torch.ones_like(row[None]), padding=width - row.shape[0],
+                            return_dict_in_generate=True, output_scores=case.output_scores) for row in resolved.rows]
+    if not stopped_rows_go_on(resolved):
+        return alone
+    last = max(out.sequences.shape[1] - row.shape[0] for out, row in zip(alone, resolved.rows))
+    return [target.generate(row[None], attention_mask=torch.ones_like(row[None]), **resolved.options,
+                            max_new_tokens=last, return_dict_in_generate=True, output_scores=case.output_scores)
+            for row in resolved.rows]
+
+
 def check_greedy(target, case: Case, resolved: Resolved, out) -> None:
     sequences = out.sequences
     width = resolved.ids.shape[1]
     plain = plain_generate(target, resolved, resolved.ids, resolved.mask)
     quirks = [entry.name for entry in TRANSFORMERS_BATCH_QUIRKS if entry.applies(case)]
     new_tokens = 0
-    for index, row in enumerate(resolved.rows):
-        alone = plain_generate(target, resolved, row[None], torch.ones_like(row[None]), padding=width - row.shape[0],
-                               return_dict_in_generate=True, output_scores=case.output_scores)
+    for index, (row, alone) in enumerate(zip(resolved.rows, rows_alone(target, case, resolved))):
         alone_new = alone.sequences[0, row.shape[0] :]
         new_tokens += alone_new.shape[0]
         expected = torch.cat([resolved.ids[index], alone_new])
@@ -612,11 +624,15 @@ def check_sampled(target, case: Case, resolved: Resolved, out) -> None:
         stop = StopStringCriteria(tokenizer=TOKENIZER, stop_strings=resolved.stop_strings)
     processors = {k: v for k, v in resolved.options.items() if k != "min_new_tokens"}
     assert sequences.shape[1] <= width + case.budget
+    ends = [_row_end(sequences[index, width:].tolist(), row, resolved.eos, stop, case.budget)
+            for index, row in enumerate(resolved.rows)]
+    last = max(end for end, _ in ends)  # where the batch ends: stopped rows go on to it (`stopped_rows_go_on`)
     for index, row in enumerate(resolved.rows):
         ours = sequences[index]
         assert torch.equal(ours[:width], resolved.ids[index]), f"row {index}: its prompt changed"
         new = ours[width:].tolist()
-        end, stopped = _row_end(new, row, resolved.eos, stop, case.budget)
+        end, stopped = ends[index]
+        end = last if stopped_rows_go_on(resolved) else end
         assert all(token == PAD for token in new[end:]), (
             f"row {index}: tokens after its stop or budget ({end} new tokens): {new}\n{_describe(case, resolved)}")
         assert stopped or end == case.budget, (

@@ -308,3 +308,86 @@ def test_the_errors_page_quotes_the_static_runner_reasons():
 
     page = (Path(__file__).resolve().parent.parent / "docs" / "reference" / "errors.md").read_text()
     assert probe.STATIC_LOGITS_REASON in page and probe.DYNAMIC_QUANTIZATION_REASON in page
+
+
+
+def test_a_value_kept_per_model_is_found_only_for_the_model_as_it_was():
+    """`PerModel` (what verdicts, views, pooled caches and compiled forwards are kept in): a value is found
+    again while the model is left as it was or its weights are loaded in place, and no longer once it is
+    cast (also on the meta device, where no storage tells), given new storage of the same dtype, changed
+    in its modules (even one without parameters) or its attention implementation."""
+    from hf_polybasic.models.fingerprint import PerModel
+
+    kept = PerModel()
+    model = make_chain("llama", 1, seed=7)[0]
+    model.model.register_module("unused", None)  # a child left None is skipped
+
+    def found(value) -> bool:
+        kept.put(model, value)
+        return kept.get(model) == value and model in kept and kept[model] == value
+
+    assert found("as built") and kept.setdefault(model, lambda: "made again") == "as built"
+    with torch.no_grad():
+        model.lm_head.weight.mul_(2.0)  # values loaded in place: the same tensors
+    assert kept.get(model) == "as built"
+    changes = [
+        lambda: model.to(torch.float64),
+        lambda: setattr(model.lm_head.weight, "data", model.lm_head.weight.data.clone()),  # new storage, same dtype
+        lambda: setattr(model.model.layers[0].mlp, "act_fn", torch.nn.GELU()),  # a module without parameters
+        lambda: model.set_attn_implementation("eager"),
+    ]
+    for change in changes:
+        assert found("before")
+        change()
+        assert kept.get(model, "gone") == "gone" and model not in kept
+        with pytest.raises(KeyError):
+            kept[model]
+        assert kept.setdefault(model, lambda: "made again") == "made again" and kept[model] == "made again"
+    meta = torch.nn.Linear(3, 3, device="meta")
+    kept.put(meta, "on meta")
+    assert kept.get(meta) == "on meta"
+    meta.to(torch.float64)
+    assert kept.get(meta) is None
+    # a value another thread kept while this one made its own wins
+    assert kept.setdefault(meta, lambda: kept.put(meta, "theirs") or "mine") == "theirs"
+
+
+def _static_call(target, draft, ids, exact: bool = True) -> list[str]:
+    """A greedy static call (equal to plain generate unless not ``exact``); the runner of each level."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="hf_polybasic runs .* on a dynamic cache")
+        out = target.generate(ids, custom_generate=hp.generate, assistant_models=[draft], polybasic_config=CONFIG,
+                              cache_implementation="static", return_dict_in_generate=True, **OPTIONS)
+    if exact:
+        assert torch.equal(out.sequences, target.generate(ids, **OPTIONS))
+    return [level.runner for level in out.polybasic_stats.levels]
+
+
+def test_a_verdict_is_probed_again_once_its_model_changed():
+    """A verdict holds for the model as it was probed (`hf_polybasic.models.fingerprint`). After a static call
+    the sdpa verdict was kept through ``set_attn_implementation("flex_attention")``, so the next static call fed
+    flex attention the static runner's mask (the process died: "double free or corruption", the slow test
+    below); a target quantized in place by ``quantize_dynamic`` after a probe ran on the static runner, which
+    refuses it fresh. Each change gets a new verdict."""
+    target, draft = make_chain("llama", 2, seed=6)
+    ids = prompt(6, seed=2)
+    assert _static_call(target, draft, ids) == ["static", "static"]
+    target.set_attn_implementation("flex_attention")
+    assert "'flex_attention' takes no explicit attention mask" in probe.static_problem(target)
+    target.set_attn_implementation("sdpa")
+    assert probe.static_problem(target) is None
+    torch.ao.quantization.quantize_dynamic(target, {torch.nn.Linear}, dtype=torch.qint8, inplace=True)
+    assert probe.static_problem(target) == probe.DYNAMIC_QUANTIZATION_REASON
+    # (an int8 target's logits depend on how many tokens a forward holds: no longer plain generate's exactly)
+    assert _static_call(target, draft, ids, exact=False) == ["dynamic", "static"]
+
+
+@pytest.mark.slow
+def test_a_static_call_after_switching_to_flex_attention_keeps_the_dynamic_runner_and_is_exact():
+    """The crash itself (flex attention compiles its kernels on the CPU: half a minute)."""
+    target, draft = make_chain("llama", 2, seed=6)
+    ids = prompt(6, seed=2)
+    assert _static_call(target, draft, ids) == ["static", "static"]
+    for model in (target, draft):
+        model.set_attn_implementation("flex_attention")
+    assert _static_call(target, draft, ids) == ["dynamic", "dynamic"]

@@ -413,6 +413,51 @@ def test_threads_decode_with_one_model_at_once(shared_models):
         assert torch.equal(results[index], expected[index])
 
 
+def test_a_model_cast_between_static_calls_gets_caches_of_its_new_dtype():
+    """A pooled cache has the dtype and device of the model's keys when it was made: after
+    ``model.to(torch.bfloat16)`` the next calls failed in ``SlotLayer.update`` (``scatter(): Expected self.dtype
+    to be equal to src.dtype``), one per model. A cache is found again only for the model as it was
+    (`hf_polybasic.models.fingerprint`); one left as it was keeps its cache (and graphs)."""
+    target, draft = tiny_chain("llama", depth=2, seed=33)
+    ids = prompt(6, seed=12)
+    options = dict(do_sample=False, max_new_tokens=30, eos_token_id=None)
+    kept = None
+    for dtype in (torch.float32, torch.float32, torch.float64):
+        for model in (target, draft):
+            model.to(dtype)
+        out = _greedy(target, [draft], ids, cache_implementation="static", eos_token_id=None,
+                      polybasic_config=hp.PolybasicConfig(schedule="constant", num_draft_tokens=3))
+        assert torch.equal(out.sequences, target.generate(ids, **options))
+        assert [level.runner for level in out.polybasic_stats.levels] == ["static", "static"]
+        cache = static._pool[target][1]
+        assert cache.layers[0].keys.dtype == dtype
+        assert (cache is kept) is (dtype == torch.float32 and kept is not None)
+        kept = cache
+
+
+def test_a_call_that_raises_gives_its_static_caches_back():
+    """A call that raises mid-decoding gives its caches back to the pool as one that ends does (they were
+    lost, and the next call made new ones: their compiled graphs made again)."""
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    class Fails(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            raise RuntimeError("a criterion failed")
+
+    target, draft = tiny_chain("llama", depth=2, seed=34)
+    ids = prompt(6, seed=13)
+    config = hp.PolybasicConfig(schedule="constant", num_draft_tokens=3)
+    _greedy(target, [draft], ids, cache_implementation="static", polybasic_config=config)
+    caches = [static._pool[model][1] for model in (target, draft)]
+    with pytest.raises(RuntimeError, match="a criterion failed"):
+        _greedy(target, [draft], ids, cache_implementation="static", polybasic_config=config,
+                stopping_criteria=StoppingCriteriaList([Fails()]))
+    assert [static._pool[model][1] for model in (target, draft)] == caches
+    out = _greedy(target, [draft], ids, cache_implementation="static", polybasic_config=config)
+    assert torch.equal(out.sequences, target.generate(ids, do_sample=False, max_new_tokens=30))
+    assert [static._pool[model][1] for model in (target, draft)] == caches
+
+
 def test_inductor_compiled_chain_equals_plain_generate(monkeypatch):
     """The real backend, once (seconds per graph on a CPU): exact, and compiled once."""
     monkeypatch.setattr(static, "compile_options", conftest.INDUCTOR_COMPILE_OPTIONS)

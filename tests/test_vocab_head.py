@@ -357,6 +357,27 @@ def test_the_drafting_view_is_left_out_where_it_would_not_pay_or_change_how_the_
     assert restricted[0] is mid and isinstance(restricted[1].get_output_embeddings(), RestrictedLinear)
 
 
+def test_the_drafting_view_of_a_model_cast_between_calls_is_made_again():
+    """The view holds the rows of the output layer it was made from: after ``model.to(dtype)`` between two
+    calls every later call failed (``expected scalar type Float but found BFloat16``). A cast, a move or an
+    in-place quantization of the model makes a new view (`hf_polybasic.models.fingerprint`); a model left as
+    it was keeps its view."""
+    target, mid, draft = make_chain("qwen2", depth=3, seed=12)
+    config = hp.PolybasicConfig(**CONSTANT, drafter_vocabulary=32)
+    ids = prompt(6, seed=4)
+    for dtype in (torch.float32, torch.float64, torch.bfloat16):
+        for model in (target, mid, draft):
+            model.to(dtype)
+        view = vocab_head.drafting_view(draft, 32)
+        assert view is vocab_head.drafting_view(draft, 32)
+        assert view.get_output_embeddings()(torch.zeros(1, draft.config.hidden_size, dtype=dtype)).dtype == dtype
+        out = target.generate(ids, custom_generate=hp.generate, assistant_models=[mid, draft],
+                              polybasic_config=config, **_greedy_options())
+        assert_every_level_took_part(hp.last_stats(target), rejections=False, acceptances=False)
+        if dtype != torch.bfloat16:  # greedy in bf16 is exact only up to the rounding of a batched forward
+            assert torch.equal(out, target.generate(ids, **_greedy_options()))
+
+
 @pytest.mark.parametrize("value", [0, -3, True, 2.5, "65536"])
 def test_drafter_vocabulary_must_be_none_or_a_positive_int(value):
     with pytest.raises(ValueError, match="PolybasicConfig.drafter_vocabulary must be None or an int >= 1"):

@@ -123,13 +123,16 @@ def measure_curve(
     device = next(model.parameters()).device
     prefix = (torch.arange(context, device=device) * 7919 % max(vocab - 3, 1)) + 3
     kind, runner = runner, measuring_runner(model, runner, context + max(int(k) for k in tokens) + 1, clock, capacity)
-    runner.logits(prefix, 1)
     sizes = [int(k) for k in tokens]
-    for k in sizes:
-        _forward_times(model, prefix, k, 1, clock, runner)  # its own warm-up run plus one more
-    rounds = [[_forward_times(model, prefix, k, 0, clock, runner, warm=False)[0] for k in sizes] for _ in range(repeats)]
-    if hasattr(runner, "close"):
-        runner.close()
+    try:
+        runner.logits(prefix, 1)
+        for k in sizes:
+            _forward_times(model, prefix, k, 1, clock, runner)  # its own warm-up run plus one more
+        rounds = [[_forward_times(model, prefix, k, 0, clock, runner, warm=False)[0] for k in sizes]
+                  for _ in range(repeats)]
+    finally:
+        if hasattr(runner, "close"):  # a static runner's cache goes back for decoding, even after an error
+            runner.close()
     points = {k: max(statistics.median(r[i] for r in rounds), 1e-9) for i, k in enumerate(sizes)}
     return CostCurve(points, context, {"model": model_description(model), "machine": machine_description(model),
                                        "runner": kind})

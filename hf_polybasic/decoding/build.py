@@ -105,6 +105,14 @@ class Chain:
     shape_gates: dict = field(default_factory=dict)  # level index -> its ShapeGate (whether it takes part)
     row_schedules: RowSchedules | None = None  # what made the schedules: keeps what their calibrations learned
 
+    def close(self) -> None:
+        """Give every static runner's cache back for later calls (`hf_polybasic.runners.static.take_cache`),
+        whether the call ended or raised."""
+        for runner in self.runners:
+            runner = getattr(runner, "inner", runner)  # a head's runner: the one its own cache is on
+            if isinstance(runner, StaticRunner):
+                runner.close()
+
     def finish(self, costs: CostCurves | None = None) -> PolybasicStats:
         """Fill in what the levels counted (forward passes, rounds sat out, forward costs) and let
         ``costs`` learn what the forwards of this call cost."""
@@ -122,7 +130,6 @@ class Chain:
                 level.runner = ("static, compile failed" if runner.fallback else
                                 "static, compiled" if runner.compiled else "static")
                 level.forward_widths = dict(sorted(collections.Counter(runner.forward_widths).items()))
-                runner.close()
             elif runner is not None:
                 level.runner = "dynamic"
         if self.row_schedules is not None:

@@ -5,7 +5,10 @@ every live row's proposal. This module is the only place tokens are emitted and 
 decided: each row's emitted tokens are checked against the stopping criteria one by one, so EOS,
 `stop_strings` and custom criteria stop a row at the same token as plain `generate`, even in the
 middle of a round, and the length budget is never exceeded because no level proposes past it.
-A row that stops leaves the batch's work (it is asked for nothing more). After every round each
+A row that stops leaves the batch's work (it is asked for nothing more); where the call has no EOS
+criterion (``eos_token_id=None``), plain batched `generate` does not pad a row a criterion stopped
+but lets it go on until the last row stops, and so does `decode_rows` (`compat.pads_finished_rows`),
+on a chain of its own for the rows that stopped early. After every round each
 cache holds at most each row's output minus its last token (exactly that, except that a hybrid
 model's may hold fewer: `hf_polybasic.runners.recurrent`), and a returned ``past_key_values`` holds exactly
 that (transformers' convention), so it can be continued.
@@ -26,6 +29,7 @@ import torch
 from transformers.generation import (EosTokenCriteria, LogitsProcessorList, MaxLengthCriteria, MaxTimeCriteria,
                                      StoppingCriteriaList)
 
+from ..compat import new_dynamic_cache, pads_finished_rows
 from ..runners.recurrent import batch_refusal_reason, settle
 from .build import ChainParts, build_chain, level_names
 from .round import Verifier
@@ -224,6 +228,16 @@ def decode_rows(
             total = stats
         else:
             total.merge(stats)
+    if not pads_finished_rows(stopping_criteria):
+        # plain batched generate pads a row a criterion stopped only beside an EOS criterion; without one
+        # the row goes on with its own tokens until the last row stops: rows stopped earlier go on from
+        # their text to the batch's length, no criterion stopping them (a fresh chain: caches prefilled again)
+        until = max(int(results[row].tokens.shape[0]) for row in rows)
+        for group in groups:
+            behind = [row for row in group if results[row].tokens.shape[0] < until]
+            if behind:
+                total.merge(_decode_group(target, request, processors, StoppingCriteriaList(), parts, clock, costs,
+                                          behind, results, until=until))
     return [results[row] for row in rows], total
 
 
@@ -235,38 +249,50 @@ def _shares_prompts(prompts: dict[int, torch.LongTensor], repeats: int) -> bool:
     )
 
 
-def _decode_group(target, request, processors, stopping_criteria, parts, clock, costs, group, results):
-    """Decode the rows of ``group`` together with one chain; their results go into ``results``."""
-    rules, prompts, max_lengths = {}, {}, {}
+def _decode_group(target, request, processors, stopping_criteria, parts, clock, costs, group, results,
+                  until: int | None = None):
+    """Decode the rows of ``group`` together with one chain; their results go into ``results``. With
+    ``until``, each row goes on from the tokens ``results`` holds for it to ``until`` new tokens."""
+    rules, prompts, max_lengths, before = {}, {}, {}, {}
     for index, row in enumerate(group):
         prompt = request.rows[row]
         removed_padding = request.padded_width - prompt.shape[0]
         rules[index] = DecodingRules(
             processors_for_row(processors, row, prompt, removed_padding), request.do_sample, request.eos_token_ids
         )
-        prompts[index] = prompt
-        max_lengths[index] = request.max_length - removed_padding
-    cache = request.caches[group[0]] if len(group) == 1 else request.caches[0]
+        before[index] = RowResult(tokens=prompt.new_empty(0)) if until is None else results[row]
+        prompts[index] = torch.cat([prompt, before[index].tokens])
+        max_lengths[index] = request.max_length - removed_padding if until is None else prompt.shape[0] + until
+    if until is not None:  # the target's caches hold the first part's text: decoding goes on on a fresh one
+        cache = None if request.caches[0] is None else new_dynamic_cache(target)
+    else:
+        cache = request.caches[group[0]] if len(group) == 1 else request.caches[0]
     chain = build_chain(target, request.assistants, request.config, rules, cache, parts, clock, costs,
                         static=request.static, capacity=capacity_for(request.max_length))
     if chain.gate is not None:  # what the batch's drafter would prefill, and the budget proposals could save on
         chain.gate.budget(sum(int(prompt.shape[0]) for prompt in prompts.values()),
                           max(max_lengths[row] - int(prompts[row].shape[0]) for row in prompts))
-    with timed(clock) as span:
-        if len(group) > 1 and request.repeats > 1 and _shares_prompts(prompts, request.repeats):
-            # num_return_sequences: each prompt is computed once; levels below the target only when the
-            # batch proposes at all (a batch its gate sits out from the start never runs them)
-            drafting = chain.gate is None or not chain.gate.paused
-            for runner in chain.runners[: None if drafting else 1]:
-                if runner is not None:
-                    runner.prefill_repeated(prompts, request.repeats)
-        decoded = decode(chain.top, prompts, max_lengths, stopping_criteria, request, chain.gate, clock)
-        if request.given_cache is not None and len(group) == 1:  # handed back: a hybrid's may hold fewer tokens
-            if isinstance(chain.runners[0], StaticRunner):  # the target decoded on its own static cache
-                chain.runners[0].copy_into(request.given_cache)
-            settle(chain.runners[0], torch.cat([prompts[0], decoded[0].tokens]))
+    try:
+        with timed(clock) as span:
+            if len(group) > 1 and request.repeats > 1 and _shares_prompts(prompts, request.repeats):
+                # num_return_sequences: each prompt is computed once; levels below the target only when the
+                # batch proposes at all (a batch its gate sits out from the start never runs them)
+                drafting = chain.gate is None or not chain.gate.paused
+                for runner in chain.runners[: None if drafting else 1]:
+                    if runner is not None:
+                        runner.prefill_repeated(prompts, request.repeats)
+            decoded = decode(chain.top, prompts, max_lengths, stopping_criteria, request, chain.gate, clock)
+            # handed back: a hybrid's may hold fewer tokens
+            if request.given_cache is not None and len(group) == 1 and until is None:
+                if isinstance(chain.runners[0], StaticRunner):  # the target decoded on its own static cache
+                    chain.runners[0].copy_into(request.given_cache)
+                settle(chain.runners[0], torch.cat([prompts[0], decoded[0].tokens]))
+    finally:
+        chain.close()  # a call that raises gives its static caches back too
     stats = chain.finish(costs)
     for index, row in enumerate(group):
-        results[row] = decoded[index]
+        first, then = before[index], decoded[index]
+        results[row] = RowResult(torch.cat([first.tokens, then.tokens]), first.scores + then.scores,
+                                 first.logits + then.logits)
     stats.seconds, stats.new_tokens = span.seconds, sum(int(result.tokens.shape[0]) for result in decoded.values())
     return stats

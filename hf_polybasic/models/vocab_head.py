@@ -44,13 +44,13 @@ from __future__ import annotations
 
 import threading
 import warnings
-import weakref
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
 
 from .. import compat
+from .fingerprint import PerModel
 from .packed import PackedLinear
 from .modules import module_view
 from ..vocabulary import as_id_list
@@ -358,9 +358,11 @@ _views = threading.local()  # per thread: S is the state of one decoding at a ti
 
 def drafting_view(model: torch.nn.Module, keep: int) -> torch.nn.Module | None:
     """``restricted_vocabulary(model, keep)`` for a chain's bottom model, made once per model, ``keep``
-    and thread; None where it would not pay or would change how the model runs: an output layer
-    narrower than ``2 * keep`` or of a kind `restricted_vocabulary` does not handle, or forward hooks
-    on the model itself (accelerate's device hooks live there; a view does not run them)."""
+    and thread, and again once the model has changed (`hf_polybasic.models.fingerprint`: a view holds
+    the rows of the output layer it was made from, so a cast, a move or an in-place quantization of the
+    model makes a new one); None where it would not pay or would change how the model runs: an output
+    layer narrower than ``2 * keep`` or of a kind `restricted_vocabulary` does not handle, or forward
+    hooks on the model itself (accelerate's device hooks live there; a view does not run them)."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     width = getattr(head, "out_features", None)
     if head is None or width is None or width < 2 * keep or model._forward_hooks or model._forward_pre_hooks:
@@ -369,8 +371,8 @@ def drafting_view(model: torch.nn.Module, keep: int) -> torch.nn.Module | None:
         return None
     views = getattr(_views, "by_model", None)
     if views is None:
-        views = _views.by_model = weakref.WeakKeyDictionary()
-    made = views.setdefault(model, {})
+        views = _views.by_model = PerModel()
+    made = views.setdefault(model, dict)
     if keep not in made:
         made[keep] = restricted_vocabulary(model, keep)
     return made[keep]

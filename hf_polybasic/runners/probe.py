@@ -20,7 +20,9 @@ A chain relies on properties that a model's class does not state and some models
   its forwards may be compiled now (`compile_problem`: no forward hooks) is asked at every call.
 
 Each probe runs the package's own runner on a few deterministic token ids, against the same
-rows decoded alone (and a full forward), and is remembered per model object. What it cannot show
+rows decoded alone (and a full forward), and is remembered per model object while the model stays
+what it was probed as (`hf_polybasic.models.fingerprint`: a cast, another attention implementation
+or an in-place quantization between calls gets a new verdict). What it cannot show
 from the model's outputs (windows longer than the probe, recurrent state) is decided from the cache
 layers (`hf_polybasic.compat.windowed_layers`).
 """
@@ -28,8 +30,6 @@ layers (`hf_polybasic.compat.windowed_layers`).
 from __future__ import annotations
 
 import copy
-import threading
-import weakref
 
 import torch
 
@@ -37,6 +37,7 @@ from .. import compat
 from ..labels import model_label
 from ..vocabulary import input_vocabulary_size
 from .dynamic import CachedModel, check_rollback_support
+from ..models.fingerprint import PerModel
 from ..models.vocab_head import dynamic_int8_type
 
 # A probe's logits count as different from the reference when they are off by more than a share of
@@ -65,21 +66,19 @@ DYNAMIC_QUANTIZATION_REASON = (
     "dequantized it decodes on a static cache exactly)"
 )
 
-_cache_problems: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_rows_problems: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_static_problems: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_lock = threading.Lock()
+# verdicts per model, each found again only while the model is what it was probed as (its dtype,
+# device, modules, weights and attention implementation: `hf_polybasic.models.fingerprint`)
+_cache_problems = PerModel()
+_rows_problems = PerModel()
+_static_problems = PerModel()
 
 
-def _remembered(store: weakref.WeakKeyDictionary, model: torch.nn.Module, check) -> str | None:
-    with _lock:
-        if model in store:
-            return store[model]
-    with torch.no_grad():
-        found = check(model)
-    with _lock:
-        store[model] = found
-    return found
+def _remembered(store: PerModel, model: torch.nn.Module, check):
+    def probe():
+        with torch.no_grad():
+            return check(model)
+
+    return store.setdefault(model, probe)
 
 
 def _probe_ids(model: torch.nn.Module, count: int, seed: int) -> torch.LongTensor:

@@ -34,12 +34,12 @@ row's pads and holes through its recurrent state.
 from __future__ import annotations
 
 import re
-import weakref
 from dataclasses import dataclass
 
 import torch
 
 from .. import compat
+from ..models.fingerprint import PerModel
 
 # A context of this many tokens or more before the positions whose logits are asked (a prompt) is
 # fed in a forward of its own first, so that a rejected draft makes the next forward re-feed the
@@ -146,7 +146,7 @@ class RecurrentLayer:
 _LAYER_NUMBER = re.compile(r"(?:^|\.)(?:layers|blocks|h)\.(\d+)(?:\.|$)")
 
 
-_found: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its recurrent layers
+_found = PerModel()  # model -> its recurrent layers (found again when its modules change)
 
 
 def recurrent_layers(model: torch.nn.Module) -> list[RecurrentLayer]:
@@ -154,11 +154,10 @@ def recurrent_layers(model: torch.nn.Module) -> list[RecurrentLayer]:
     a known kind, then any other layer its config marks as recurrent (``layer_types``), then, for a
     model transformers marks stateful with none of these, the model itself (as layer 0). Found once
     per model (a chain asks at every call)."""
-    if model not in _found:
-        _found[model] = _recurrent_layers(model)
-    if not _found[model] and compat.is_stateful(model):
+    found = _found.setdefault(model, lambda: _recurrent_layers(model))
+    if not found and compat.is_stateful(model):
         return [RecurrentLayer(0, STATEFUL, type(model).__name__)]
-    return list(_found[model])
+    return list(found)
 
 
 def _recurrent_layers(model: torch.nn.Module) -> list[RecurrentLayer]:

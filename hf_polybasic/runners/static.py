@@ -42,6 +42,7 @@ from collections.abc import Callable
 import torch
 
 from .. import compat
+from ..models.fingerprint import PerModel
 from .base import RunnerBase
 from .fallback import compile_failure, record_failure
 from ..timing import DEFAULT_CLOCK, Clock
@@ -182,7 +183,8 @@ def cache_dtype(model) -> torch.dtype:
 
 
 # --- compiled forwards, made once per model and reused by every call --------------------------------
-_compiled: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# (as long as the model stays what they were made for: `hf_polybasic.models.fingerprint`)
+_compiled = PerModel()
 _compiled_lock = threading.Lock()
 
 
@@ -203,12 +205,13 @@ GRAPH_SETUP_RUNS = {"cuda": 2}
 
 def forward_for(model, compiled: bool, float_mask: bool, layers: tuple[int, ...] | None = None) -> Callable:
     """The model's forward for a `StaticRunner`: compiled once per (model, mask kind, hidden states
-    kept) and kept while the model lives (a later call reuses its graphs), or plain."""
+    kept) and kept while the model lives and stays what it was (a later call reuses its graphs), or
+    plain."""
     forward = _forward(float_mask, compat.cache_argument(model), layers)
     if not compiled:
         return forward
     with _compiled_lock:
-        kinds = _compiled.setdefault(model, {})
+        kinds = _compiled.setdefault(model, dict)
         if (float_mask, layers) not in kinds:
             # a code object of its own: dynamo keeps (and counts) graphs per code object, so each
             # model's graphs neither evict nor count against another's
@@ -217,7 +220,7 @@ def forward_for(model, compiled: bool, float_mask: bool, layers: tuple[int, ...]
         return kinds[float_mask, layers]
 
 
-_graphs_made: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> graphs its forwards made
+_graphs_made = PerModel()  # model -> graphs its forwards made (since it was last changed)
 _warned_graph_limit: set[str] = set()
 
 
@@ -227,7 +230,7 @@ def _may_make_graph(model, role: str) -> bool:
     with _compiled_lock:
         made = _graphs_made.get(model, 0)
         if made < GRAPHS_PER_MODEL:
-            _graphs_made[model] = made + 1
+            _graphs_made.put(model, made + 1)
             return True
     kind = type(model).__name__
     if kind not in _warned_graph_limit:
@@ -254,25 +257,29 @@ def _with_graph_limit(compiled: Callable) -> Callable:
 
 
 # --- caches, kept per model and reused by later calls (a compiled graph keeps their addresses) -------
-_pool: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# A cache's tensors take the dtype and device of the model's keys at its first forward: one kept for a
+# model is found only while the model is what it was (`hf_polybasic.models.fingerprint`).
+_pool = PerModel()
 _pool_lock = threading.Lock()
 
 
 def take_cache(model, rows: int, capacity: int) -> SlotCache:
     """A `SlotCache` for ``rows`` rows of ``model`` with at least ``capacity`` slots each: the one a
-    finished call gave back if it is large enough (its graphs come with it), else a new one. While
-    a call holds it no other call can take it."""
+    finished call gave back if it is large enough and the model has not changed since (its graphs
+    come with it), else a new one. While a call holds it no other call can take it."""
     with _pool_lock:
-        free = _pool.get(model, {}).get(rows)
+        kept = _pool.get(model, {})
+        free = kept.get(rows)
         if free is not None and free.capacity >= capacity:
-            return _pool[model].pop(rows)
+            return kept.pop(rows)
     return SlotCache(compat.decoder_layer_count(model), capacity, rows)
 
 
 def return_cache(model, cache: SlotCache) -> None:
-    """Give a cache back for later calls: one kept per model and batch size, the largest."""
+    """Give a cache back for later calls: one kept per model and batch size, the largest (those kept
+    before a change of the model are dropped)."""
     with _pool_lock:
-        kept = _pool.setdefault(model, {})
+        kept = _pool.setdefault(model, dict)
         if cache.rows not in kept or kept[cache.rows].capacity < cache.capacity:
             kept[cache.rows] = cache
 
