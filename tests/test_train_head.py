@@ -334,3 +334,24 @@ def test_the_command_line_trains_a_head(tmp_path, capsys):
     assert json.loads((tmp_path / "head" / "config.json").read_text())["draft_vocab_size"] == 48
     assert cli.main(["train-head", "tiny", "--output", str(tmp_path / "x"), "--texts", str(tmp_path / "nothing")]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_every_error_train_head_raises_is_on_the_errors_page():
+    """Each message the training package raises has its fixed text on docs/reference/errors.md."""
+    import ast
+
+    import hf_polybasic.training as training
+
+    page = (Path(__file__).resolve().parents[1] / "docs" / "reference" / "errors.md").read_text()
+    found = []
+    for path in sorted(Path(training.__file__).parent.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call) and node.exc.args:
+                message = node.exc.args[0]
+                parts = [message.value] if isinstance(message, ast.Constant) else [
+                    part.value for part in getattr(message, "values", []) if isinstance(part, ast.Constant)]
+                if parts and parts[0].startswith("train_head"):
+                    found.append(path.name)
+                    missing = [part for part in parts if len(part.strip()) >= 12 and part not in page]
+                    assert not missing, f"{path.name}: {missing} is not on the errors page"
+    assert len(found) >= 20  # it read the package's messages
