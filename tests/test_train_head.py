@@ -355,3 +355,21 @@ def test_every_error_train_head_raises_is_on_the_errors_page():
                     missing = [part for part in parts if len(part.strip()) >= 12 and part not in page]
                     assert not missing, f"{path.name}: {missing} is not on the errors page"
     assert len(found) >= 20  # it read the package's messages
+
+
+def test_a_head_written_by_transformers_5_keeps_its_rope_base_on_every_release(trained, deep, tmp_path):
+    """transformers 5 writes the layer config's RoPE base under rope_parameters only (as speculators' files
+    written under it have it); releases before 5 read rope_theta. The head draft_head builds uses the
+    written base on the release this runs on (the test matrix runs 4.57 too)."""
+    import shutil
+
+    directory = Path(shutil.copytree(trained.directory, tmp_path / "head", ignore=shutil.ignore_patterns("training")))
+    config = json.loads((directory / "config.json").read_text())
+    layers = config["transformer_layer_config"]
+    layers.pop("rope_theta", None)
+    layers["rope_parameters"] = {"rope_type": "default", "rope_theta": 500000.0}
+    (directory / "config.json").write_text(json.dumps(config))
+    head = draft_head(str(directory), verifier=deep).head
+    head_dim = deep.config.hidden_size // deep.config.num_attention_heads
+    expected = 1.0 / (500000.0 ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    torch.testing.assert_close(head.decoder.rotary_emb.inv_freq, expected)

@@ -36,7 +36,7 @@ from transformers import AutoConfig, LlamaConfig
 
 from .. import compat
 from .base import DraftHead
-from .decoder import decoder_stack, eagle3_first_layer, head_config
+from .decoder import decoder_stack, eagle3_first_layer, head_config, readable_fields
 from .weights import VerifierShape, assign, draft_to_target, must_equal, shared_or_own_embedding, where
 
 SPECULATORS_LAYER_TYPES = ("llama", "qwen3")  # speculators' model_definitions.model_classes
@@ -139,7 +139,7 @@ def _finish(head: Eagle3Head, state: dict, config, draft_vocab: int, verifier: V
 
 def safeailab_eagle3(config: dict, state: dict, verifier: VerifierShape, source) -> Eagle3Head:
     """An EAGLE-3 head from SafeAILab's or SpecForge's layout (see the module docstring)."""
-    llama = LlamaConfig(**config)
+    llama = LlamaConfig(**readable_fields(config))
     must_equal(source, "config.json vocab_size", llama.vocab_size, verifier.vocab_size, "the verifier's vocab_size")
     states = config.get("target_hidden_size") or llama.hidden_size
     key = "target_hidden_size" if "target_hidden_size" in config else "hidden_size"
@@ -172,7 +172,7 @@ def speculators_eagle3_skeleton(config: dict, verifier: VerifierShape, source) -
     if kind not in SPECULATORS_LAYER_TYPES:
         raise ValueError(f"{where(source)}: transformer_layer_config.model_type is {kind!r}; speculators' EAGLE-3 "
                          f"builds {' or '.join(SPECULATORS_LAYER_TYPES)} layers only")
-    layer_config = AutoConfig.for_model(**layer_config)
+    layer_config = AutoConfig.for_model(**readable_fields(layer_config))
     must_equal(source, "transformer_layer_config.vocab_size", layer_config.vocab_size, verifier.vocab_size,
                "the verifier's vocab_size")
     must_equal(source, "transformer_layer_config.hidden_size", layer_config.hidden_size, verifier.hidden_size,
