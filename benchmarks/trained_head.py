@@ -47,7 +47,8 @@ def add_trained_head_parser(commands) -> argparse.ArgumentParser:
     group.add_argument("--epochs", type=int, default=1)
     group.add_argument("--steps", type=int, default=None, help="default: --epochs over the windows")
     group.add_argument("--lr", type=float, default=1e-3)
-    group.add_argument("--draft-vocab-size", type=int, default=None, help="default: 32000, or the whole vocabulary where smaller")
+    group.add_argument("--draft-vocab-size", type=int, default=None,
+                       help="default: 32000, or the whole vocabulary where smaller")
     group.add_argument("--intermediate-size", type=int, default=None, help="the head's MLP width (default: the "
                        "target's, as speculators builds it)")
     group.add_argument("--train-dtype", choices=["bf16", "fp32"], default="bf16",

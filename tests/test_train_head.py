@@ -213,9 +213,9 @@ def test_an_interrupted_run_resumes_into_the_same_head(deep, tmp_path, monkeypat
     for key, value in final(whole)["head"].items():
         assert torch.equal(value, final(resumed)["head"][key]), key
     assert resumed.losses == whole.losses
-    assert load_file(whole.directory / "model.safetensors").keys() == load_file(resumed.directory / "model.safetensors").keys()
-    assert all(torch.equal(a, b) for a, b in zip(load_file(whole.directory / "model.safetensors").values(),
-                                                 load_file(resumed.directory / "model.safetensors").values()))
+    whole_files, resumed_files = (load_file(run.directory / "model.safetensors") for run in (whole, resumed))
+    assert whole_files.keys() == resumed_files.keys()
+    assert all(torch.equal(whole_files[key], resumed_files[key]) for key in whole_files)
     assert not torch.equal(final(whole)["head"]["fc.weight"], final(other)["head"]["fc.weight"])
 
 

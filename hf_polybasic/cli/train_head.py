@@ -28,7 +28,8 @@ def add_train_head_parser(commands) -> argparse.ArgumentParser:
     parser.add_argument("--output", required=True, help="directory of the head (config.json, model.safetensors); its "
                         "training/ folder holds what an interrupted run resumes from")
     parser.add_argument("--texts", action="append", default=[], metavar="PATH",
-                        help="a file or folder of text (.txt .md .rst .py; .jsonl: strings or {\"text\": ...}); repeatable")
+                        help="a file or folder of text (.txt .md .rst .py; .jsonl: strings or {\"text\": ...}); "
+                        "repeatable")
     parser.add_argument("--prompts", action="append", default=[], metavar="PATH",
                         help="a JSONL file of prompts (strings, or {\"prompt\"|\"messages\"|\"turns\": ...}; .txt: one "
                         "per line) the model answers, its answers then trained on (self-distillation); repeatable")

@@ -8,8 +8,9 @@ the features past the first position (what it reads while drafting several token
 "training-time test"). The loss is the KL divergence from the verifier's distribution to the head's,
 averaged over passes; over the verifier's whole vocabulary, or over the head's draft vocabulary
 (`head_loss` with ``draft=True``: both distributions renormalised over the ids the head can propose, as
-speculators trains EAGLE-3, with no vocabulary-wide tensor). Nothing of the verifier is trained (it runs under ``no_grad``, and parameters a
-head shares with it are left out) and no module's train/eval mode is touched.
+speculators trains EAGLE-3, with no vocabulary-wide tensor). Nothing of the verifier is trained (it
+runs under ``no_grad``, and parameters a head shares with it are left out) and no module's train/eval
+mode is touched.
 """
 
 from __future__ import annotations

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -186,12 +187,14 @@ def _windows(model, tokenizer, texts, prompts, work: Path, settings: HeadTrainin
     answers = answering.answered(model, tokenizer, chats, work / "answers.jsonl", settings.answer_tokens,
                                  settings.answer_batch_size, settings.answer_temperature, settings.seed,
                                  progress) if chats else []
-    documents = itertools.chain(answers, (list(tokenizer(text, add_special_tokens=False)["input_ids"])
-                                          for text in read_texts(texts)))
+    documents = itertools.chain(answers, (list(tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"])
+                                          for text in read_texts(texts)))  # windows cut them: no length warning
     separator = tokenizer.eos_token_id
     windows = token_windows(documents, settings.seq_len, separator, settings.max_tokens)
     if not windows.shape[0]:
         raise ValueError(f"train_head: the texts and answers hold fewer than seq_len={settings.seq_len} tokens; pass "
                          "more text or a smaller seq_len")
-    save_file({"input_ids": windows, "answers": torch.tensor(len(answers))}, str(path))
+    partial = path.with_suffix(".partial")
+    save_file({"input_ids": windows, "answers": torch.tensor(len(answers))}, str(partial))
+    os.replace(partial, path)  # whole or not at all: an interrupted run makes them again
     return windows, len(answers)

@@ -44,16 +44,19 @@ def answered(model, tokenizer, prompts: Sequence[list[dict]], path: Path, new_to
     done: dict[int, list[int]] = {}
     if path.exists():
         for line in path.read_text().splitlines():
-            if line.strip():
+            try:
                 row = json.loads(line)
-                done[row["index"]] = row["ids"]
+                done[int(row["index"])] = list(row["ids"])
+            except (ValueError, KeyError, TypeError):  # a line cut by an interruption: answered again
+                continue
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     if pad is None:
         raise ValueError("train_head: the tokenizer has neither a pad nor an EOS token, so prompts cannot be answered "
                          "in batches; set tokenizer.pad_token_id")
     stops = end_ids(model, tokenizer)
     device = model.get_input_embeddings().weight.device
-    batches = [list(range(start, min(start + batch_size, len(prompts)))) for start in range(0, len(prompts), batch_size)]
+    batches = [list(range(start, min(start + batch_size, len(prompts))))
+               for start in range(0, len(prompts), batch_size)]
     todo = [batch for batch in batches if any(index not in done for index in batch)]
     bar = tqdm(total=len(batches), initial=len(batches) - len(todo), desc="answers", unit="batch", disable=not progress)
     with path.open("a") as sink:
