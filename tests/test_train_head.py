@@ -373,3 +373,22 @@ def test_a_head_written_by_transformers_5_keeps_its_rope_base_on_every_release(t
     head_dim = deep.config.hidden_size // deep.config.num_attention_heads
     expected = 1.0 / (500000.0 ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
     torch.testing.assert_close(head.decoder.rotary_emb.inv_freq, expected)
+
+
+def test_a_trained_head_drafts_for_a_packed_target(trained):
+    """The benchmark's targets may have oneDNN-packed linear layers (no ``weight`` on the LM head): the head
+    loads for such a target and the chain stays exact."""
+    import hf_polybasic as hp
+    from hf_polybasic.models import packed
+    from hf_polybasic.testing import make_target
+
+    if torch.float32 not in packed.supported_dtypes():
+        pytest.skip("oneDNN cannot pack float32 layers on this machine")
+    target = packed.pack_linear_layers(make_target("llama", seed=7, layers=8))  # the trained head's verifier, packed
+    head = trained.level(target)
+    ids, options = prompt(6, seed=75), dict(do_sample=False, max_new_tokens=16, pad_token_id=PAD)
+    config = hp.PolybasicConfig(schedule="constant", num_draft_tokens=4)
+    out = target.generate(ids, custom_generate=hp.generate, assistant_models=[head], polybasic_config=config,
+                          return_dict_in_generate=True, **options)
+    assert torch.equal(out.sequences, target.generate(ids, **options))
+    assert out.polybasic_stats.levels[0].accepted > 0
