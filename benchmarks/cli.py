@@ -3,8 +3,8 @@
 
 ``bench`` (`benchmarks.bench`), ``gpu-bench`` (`benchmarks.gpu_bench`), ``batches``
 (`benchmarks.batch_bench`), ``levels`` (`benchmarks.levels_table`), ``vocab-coverage``
-(`benchmarks.vocab_coverage`) and ``rollback-cost`` (`benchmarks.rollback_cost`). Each command's
-module is imported only when it runs.
+(`benchmarks.vocab_coverage`), ``rollback-cost`` (`benchmarks.rollback_cost`) and ``trained-head``
+(`benchmarks.trained_head`). Each command's module is imported only when it runs.
 """
 
 from __future__ import annotations
@@ -14,9 +14,10 @@ import sys
 
 from .bench.cli import add_bench_parser
 from .gpu_bench import add_gpu_bench_parser
+from .trained_head import add_trained_head_parser
 
 # the order in which they are registered; hf_polybasic.cli.main.BENCHMARK_COMMANDS names the same
-COMMANDS = ("levels", "vocab-coverage", "batches", "rollback-cost", "bench", "gpu-bench")
+COMMANDS = ("levels", "vocab-coverage", "batches", "rollback-cost", "bench", "gpu-bench", "trained-head")
 
 
 def _levels(args: argparse.Namespace) -> int:
@@ -109,6 +110,7 @@ def add_benchmark_parsers(commands) -> None:
 
     add_bench_parser(commands)
     add_gpu_bench_parser(commands)
+    add_trained_head_parser(commands)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -71,7 +71,8 @@ class LlamaAttention(nn.Module):
         self.hidden_size, self.num_heads = config["hidden_size"], config["num_attention_heads"]
         self.head_dim = config.get("head_dim") or self.hidden_size // self.num_heads
         self.num_key_value_heads = config["num_key_value_heads"]
-        self.rope_theta = config.get("rope_theta", 10000.0)
+        # the RoPE base where the config keeps it: ``rope_theta`` before transformers 5, ``rope_parameters`` since
+        self.rope_theta = config.get("rope_theta") or (config.get("rope_parameters") or {}).get("rope_theta", 10000.0)
         bias = config.get("qkv_bias", False)
         self.q_proj = nn.Linear(inputs * self.hidden_size, self.num_heads * self.head_dim, bias=bias)
         self.k_proj = nn.Linear(inputs * self.hidden_size, self.num_key_value_heads * self.head_dim, bias=bias)

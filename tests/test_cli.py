@@ -54,6 +54,24 @@ def test_rollback_cost_on_a_tiny_hybrid(capsys, tmp_path):
     assert "| k | kept | T(k+1) ms |" in capsys.readouterr().out
 
 
+def test_trained_head_benchmark_on_tiny_models(capsys, tmp_path):
+    """``python -m benchmarks trained-head`` end to end at a tiny size: a few training steps, one prompt, 8
+    tokens; every method's greedy output is plain generate's (the bench exits 1 otherwise)."""
+    import json
+
+    assert benchmarks.cli.main(["trained-head", "--models", "tiny", "--output", str(tmp_path), "--prompts", "2",
+                                "--answer-tokens", "8", "--max-tokens", "2000", "--seq-len", "32", "--steps", "3",
+                                "--groups", "code", "--questions-per-group", "1", "--max-new-tokens", "8",
+                                "--threads", "1", "--no-progress"]) == 0
+    summary = json.loads((tmp_path / "trained_head.json").read_text())
+    assert summary["training"]["steps"] == 3 and summary["training"]["answered_prompts"] == 2
+    assert json.loads((tmp_path / "head" / "config.json").read_text())["speculators_model_type"] == "eagle3"
+    report = (tmp_path / "report.md").read_text()
+    for method in ("ours-draft-auto", "ours-head", "ours-head-auto", "ours-copy-head-auto"):
+        assert f"| {method} |" in report
+    assert "token-for-token identical to plain generate's" in report and "| ours-head" in capsys.readouterr().out
+
+
 def test_the_installed_command_line_says_where_the_benchmarks_run(capsys):
     assert tuple(cli.BENCHMARK_COMMANDS) == benchmarks.cli.COMMANDS  # the stubs name what the checkout has
     assert cli.main(["bench", "--quick", "--models", "tiny"]) == 2

@@ -372,14 +372,43 @@ def _samples(target, count: int = 48, length: int = 24) -> torch.LongTensor:
                            pad_token_id=PAD, eos_token_id=None)
 
 
-@pytest.fixture(scope="module")
-def loaded_chain(shared_models, tmp_path_factory):
-    """(target, a noisy copy, a SpecForge EAGLE-3 head written as SGLang's export writes it, loaded and
-    distilled on the target's own samples) on a 4-layer tiny target; its draft vocabulary (64 of 96 ids) is
-    the tokens most frequent in those samples, as SafeAILab's trainer picks it."""
+def _tiny_pair():
+    return tiny_chain("llama", 2, seed=5, noises=(0.08,), layers=4)
+
+
+def _trained_by_train_head(shared_models, tmp_path_factory):
+    """(target, copy, a speculators EAGLE-3 head trained by `hf_polybasic.training.train_head` on the target's
+    answers to prompts and a text file, loaded by draft_head): the head a user trains."""
+    from hf_polybasic.testing import make_tokenizer
+    from hf_polybasic.training import train_head
 
     def make():
-        target, copy = tiny_chain("llama", 2, seed=5, noises=(0.08,), layers=4)
+        target, copy = shared_models.built(("loaded eagle3 pair",), _tiny_pair)
+        data = tmp_path_factory.mktemp("train_head_data")
+        (data / "prompts.jsonl").write_text("\n".join(json.dumps({"prompt": "".join(
+            chr(36 + (i * 7 + j * 3 + i * j) % 88) for j in range(4 + i % 5))}) for i in range(48)))
+        (data / "notes.txt").write_text("".join(chr(36 + (i * i) % 88) for i in range(200)))
+        trained = train_head(target, make_tokenizer(), tmp_path_factory.mktemp("trained") / "head",
+                             texts=[data / "notes.txt"], prompts=[data / "prompts.jsonl"], aux_layers=[1, 2, 3],
+                             draft_vocab_size=64, seq_len=32, answer_tokens=24, steps=150,
+                             lr=1e-2, batch_size=8, progress=False)
+        return (trained.level(target),)
+
+    target, copy = shared_models.built(("loaded eagle3 pair",), _tiny_pair)
+    return target, copy, shared_models.built(("eagle3 head by train_head",), make)[0]
+
+
+@pytest.fixture(scope="module", params=["SpecForge EAGLE-3, distilled", "trained by train_head"])
+def loaded_chain(request, shared_models, tmp_path_factory):
+    """(target, a noisy copy, an EAGLE-3 head) on a 4-layer tiny target: a SpecForge head written as SGLang's
+    export writes it, loaded and distilled on the target's own samples (its draft vocabulary, 64 of 96 ids, the
+    tokens most frequent in those samples, as SafeAILab's trainer picks it); or one `train_head` trained and
+    saved in speculators' format (`tests/test_train_head.py`)."""
+    if request.param == "trained by train_head":
+        return _trained_by_train_head(shared_models, tmp_path_factory)
+
+    def make():
+        target, copy = shared_models.built(("loaded eagle3 pair",), _tiny_pair)
         texts = _samples(target)
         frequent = torch.bincount(texts.flatten(), minlength=target.config.vocab_size).argsort(descending=True)[:64]
         config = llama_fields(target, architectures=["LlamaForCausalLMEagle3"], draft_vocab_size=64,

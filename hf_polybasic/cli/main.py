@@ -1,8 +1,8 @@
 """Command line: ``hf-polybasic <command>``. Each command lives in its own module.
 
-The package's commands are ``demo``, ``models``, ``costs`` and ``plan``. The benchmark commands
-(`BENCHMARK_COMMANDS`) live in the repository's ``benchmarks/`` folder, which is not installed and
-which the package never imports: here they only say where they run (``python -m benchmarks
+The package's commands are ``demo``, ``models``, ``costs``, ``plan`` and ``train-head``. The
+benchmark commands (`BENCHMARK_COMMANDS`) live in the repository's ``benchmarks/`` folder, which is not
+installed and which the package never imports: here they only say where they run (``python -m benchmarks
 <command>`` from a checkout).
 """
 
@@ -12,6 +12,7 @@ import argparse
 import sys
 
 from .plan import add_plan_parser
+from .train_head import add_train_head_parser
 
 # the commands of benchmarks/cli.py (its COMMANDS), each with its one-line help
 BENCHMARK_COMMANDS = {
@@ -21,6 +22,7 @@ BENCHMARK_COMMANDS = {
     "rollback-cost": "what rolling back a hybrid model's recurrent state costs",
     "bench": "Spec-Bench-style benchmark",
     "gpu-bench": "the engine on a GPU against plain and assisted generate",
+    "trained-head": "train a head on the demo's target (train-head), then time it against the 0.5B drafter",
 }
 
 
@@ -103,6 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     costs.set_defaults(handler=_costs)
 
     add_plan_parser(commands)
+    add_train_head_parser(commands)
     _add_benchmark_parsers(commands)
     return parser
 

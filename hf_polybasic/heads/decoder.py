@@ -19,6 +19,17 @@ import copy
 import torch
 
 
+def readable_fields(fields: dict) -> dict:
+    """A head's config fields as every release we admit reads them: transformers 5 writes the RoPE base
+    under ``rope_parameters`` only, which releases before 5 ignore (they read ``rope_theta`` and would
+    build the default base, 10,000); it is copied to ``rope_theta``, which 5 ignores beside
+    ``rope_parameters``."""
+    rope = fields.get("rope_parameters")
+    if isinstance(rope, dict) and "rope_theta" in rope and "rope_theta" not in fields:
+        return dict(fields, rope_theta=rope["rope_theta"])
+    return fields
+
+
 def head_config(config, layers: int):
     """A copy of ``config`` (a transformers config) describing ``layers`` decoder layers, attention by
     SDPA (what a cache for the head is laid out by; the publishers' configs may describe the whole

@@ -24,7 +24,7 @@ from transformers import AutoConfig, LlamaConfig
 
 from .. import compat
 from .base import LAST_NORMED, DraftHead
-from .decoder import decoder_stack, head_config
+from .decoder import decoder_stack, head_config, readable_fields
 from .weights import VerifierShape, assign, must_equal, shared_or_own_embedding, where
 
 
@@ -79,7 +79,7 @@ def _fit(config, verifier: VerifierShape, source, hidden_key: str, vocab_key: st
 
 def safeailab_eagle(config: dict, state: dict, verifier: VerifierShape, source) -> EagleHead:
     """An EAGLE-1/2 head from SafeAILab's layout (see the module docstring)."""
-    llama = LlamaConfig(**config)
+    llama = LlamaConfig(**readable_fields(config))
     _fit(llama, verifier, source, "config.json hidden_size", "config.json vocab_size")
     head = EagleHead(head_config(llama, llama.num_hidden_layers), verifier, fc_bias=bool(config.get("bias", True)),
                      qkv_bias=bool(config.get("qkv_bias", False)))
@@ -92,7 +92,7 @@ def safeailab_eagle(config: dict, state: dict, verifier: VerifierShape, source) 
 
 def speculators_eagle(config: dict, state: dict, verifier: VerifierShape, source) -> EagleHead:
     """An EAGLE-1/2 head from speculators' layout (see the module docstring)."""
-    layer_config = AutoConfig.for_model(**config["transformer_layer_config"])
+    layer_config = AutoConfig.for_model(**readable_fields(config["transformer_layer_config"]))
     _fit(layer_config, verifier, source, "transformer_layer_config.hidden_size", "transformer_layer_config.vocab_size")
     architecture = config.get("transformer_layer_architecture", "auto")
     layer_config = head_config(layer_config, 1)

@@ -36,7 +36,7 @@ from transformers import AutoConfig, LlamaConfig
 
 from .. import compat
 from .base import DraftHead
-from .decoder import decoder_stack, eagle3_first_layer, head_config
+from .decoder import decoder_stack, eagle3_first_layer, head_config, readable_fields
 from .weights import VerifierShape, assign, draft_to_target, must_equal, shared_or_own_embedding, where
 
 SPECULATORS_LAYER_TYPES = ("llama", "qwen3")  # speculators' model_definitions.model_classes
@@ -77,14 +77,29 @@ class Eagle3Head(DraftHead):
         return self.fc(features)
 
     def forward(self, input_ids, features, *, position_ids, attention_mask, cache, use_cache=True):
+        logits, hidden = self.draft_forward(input_ids, features, position_ids=position_ids,
+                                            attention_mask=attention_mask, cache=cache, use_cache=use_cache)
+        return self._in_verifier_ids(logits.float()), hidden
+
+    def draft_forward(self, input_ids, features, *, position_ids, attention_mask, cache, use_cache=True):
+        """`forward` before the logits are laid out in the verifier's ids: ``(logits [B, n, draft_vocab]``
+        over the draft vocabulary (draft id i is the verifier's ``draft_ids[i]``), in the head's dtype,
+        ``hidden [B, n, hidden_size])`` (what training reads: no verifier-wide tensor)."""
         (embeddings,) = self._shared
         embeds = (embeddings if self.own_embedding is None else self.own_embedding)(input_ids).to(features.dtype)
         hidden = self.decoder(inputs_embeds=torch.cat([embeds, features], dim=-1), position_ids=position_ids,
                               attention_mask=attention_mask, use_cache=use_cache,
                               **{self._cache_argument: cache}).last_hidden_state
         normed = self.norm(hidden)
-        logits = self.lm_head(normed if self.normed_logits else hidden).float()  # [B, n, draft_vocab]
-        return self._in_verifier_ids(logits), normed if self.feeds_back_normed else hidden
+        logits = self.lm_head(normed if self.normed_logits else hidden)  # [B, n, draft_vocab]
+        return logits, normed if self.feeds_back_normed else hidden
+
+    @property
+    def draft_ids(self) -> torch.Tensor:
+        """``[draft_vocab]``: the verifier's id of each draft id."""
+        if self.target_ids is not None:
+            return self.target_ids
+        return torch.arange(self.lm_head.weight.shape[0], device=self.lm_head.weight.device)
 
     def _in_verifier_ids(self, logits: torch.Tensor) -> torch.Tensor:
         """``[B, n, draft_vocab]`` -> ``[B, n, vocab_size]``: each draft id's logit at its verifier id, -inf
@@ -124,7 +139,7 @@ def _finish(head: Eagle3Head, state: dict, config, draft_vocab: int, verifier: V
 
 def safeailab_eagle3(config: dict, state: dict, verifier: VerifierShape, source) -> Eagle3Head:
     """An EAGLE-3 head from SafeAILab's or SpecForge's layout (see the module docstring)."""
-    llama = LlamaConfig(**config)
+    llama = LlamaConfig(**readable_fields(config))
     must_equal(source, "config.json vocab_size", llama.vocab_size, verifier.vocab_size, "the verifier's vocab_size")
     states = config.get("target_hidden_size") or llama.hidden_size
     key = "target_hidden_size" if "target_hidden_size" in config else "hidden_size"
@@ -140,12 +155,24 @@ def safeailab_eagle3(config: dict, state: dict, verifier: VerifierShape, source)
 
 def speculators_eagle3(config: dict, state: dict, verifier: VerifierShape, source) -> Eagle3Head:
     """An EAGLE-3 head from speculators' layout (see the module docstring)."""
+    head, layer_config, draft_vocab = speculators_eagle3_skeleton(config, verifier, source)
+    return _finish(head, state, layer_config, draft_vocab, verifier, source, "speculators eagle3",
+                   SPECULATORS_RENAMES, ignored=("verifier_norm.weight", "verifier_lm_head.weight"))
+
+
+SPECULATORS_RENAMES = (("layers.", "decoder.layers."),)  # (speculators' key prefix, the head's)
+
+
+def speculators_eagle3_skeleton(config: dict, verifier: VerifierShape, source) -> tuple[Eagle3Head, object, int]:
+    """``(head on the meta device, its transformers layer config, draft vocabulary size)`` that speculators'
+    ``config.json`` ``config`` describes for ``verifier``, checked against it; no weight yet (what
+    `speculators_eagle3` assigns them to, and what `hf_polybasic.training` initialises)."""
     layer_config = dict(config.get("transformer_layer_config") or {})
     kind = layer_config.setdefault("model_type", "qwen3")  # speculators' default config class
     if kind not in SPECULATORS_LAYER_TYPES:
         raise ValueError(f"{where(source)}: transformer_layer_config.model_type is {kind!r}; speculators' EAGLE-3 "
                          f"builds {' or '.join(SPECULATORS_LAYER_TYPES)} layers only")
-    layer_config = AutoConfig.for_model(**layer_config)
+    layer_config = AutoConfig.for_model(**readable_fields(layer_config))
     must_equal(source, "transformer_layer_config.vocab_size", layer_config.vocab_size, verifier.vocab_size,
                "the verifier's vocab_size")
     must_equal(source, "transformer_layer_config.hidden_size", layer_config.hidden_size, verifier.hidden_size,
@@ -158,5 +185,4 @@ def speculators_eagle3(config: dict, state: dict, verifier: VerifierShape, sourc
                       input_norm=bool(config.get("norm_before_fc", False)),
                       feeds_back_normed=bool(config.get("norm_output", False)),
                       norm_before_residual=bool(config.get("norm_before_residual", False)))
-    return _finish(head, state, layer_config, draft_vocab, verifier, source, "speculators eagle3",
-                   (("layers.", "decoder.layers."),), ignored=("verifier_norm.weight", "verifier_lm_head.weight"))
+    return head, layer_config, draft_vocab

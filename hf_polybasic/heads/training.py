@@ -6,8 +6,11 @@ real features (head position ``j``: the token at ``j + 1`` and the feature of ``
 token at ``j + 2``), and each further pass reads the head's own outputs of the pass before in place of
 the features past the first position (what it reads while drafting several tokens; EAGLE-3's
 "training-time test"). The loss is the KL divergence from the verifier's distribution to the head's,
-averaged over passes. Nothing of the verifier is trained (it runs under ``no_grad``, and parameters a
-head shares with it are left out) and no module's train/eval mode is touched.
+averaged over passes; over the verifier's whole vocabulary, or over the head's draft vocabulary
+(`head_loss` with ``draft=True``: both distributions renormalised over the ids the head can propose, as
+speculators trains EAGLE-3, with no vocabulary-wide tensor). Nothing of the verifier is trained (it
+runs under ``no_grad``, and parameters a head shares with it are left out) and no module's train/eval
+mode is touched.
 """
 
 from __future__ import annotations
@@ -25,20 +28,23 @@ def teacher(verifier, input_ids: torch.LongTensor, layers: tuple[int, ...]) -> t
 
 
 def head_loss(head, input_ids: torch.LongTensor, features: torch.Tensor, teacher_log_probs: torch.Tensor,
-              passes: int = 2) -> torch.Tensor:
+              passes: int = 2, draft: bool = False) -> torch.Tensor:
     """The distillation loss of ``head`` on ``input_ids`` ``[B, L]`` (L >= 3) given the verifier's real
     ``features`` ``[B, L, F]`` and ``teacher_log_probs`` ``[B, L, V]``: the mean KL(verifier || head) of
-    the token after each head position, over ``passes`` passes (see the module docstring)."""
+    the token after each head position, over ``passes`` passes (see the module docstring). ``draft``:
+    ``teacher_log_probs`` are over the head's draft vocabulary ``[B, L, draft_vocab]`` (an EAGLE-3 head's
+    ``draft_ids``, renormalised there), and so are the head's."""
     tokens = input_ids[:, 1:]  # [B, L - 1]: head position j reads the token at j + 1
     n = tokens.shape[1] - 1  # positions whose next token (at j + 2) is in the text
     dtype = next(p.dtype for p in head.parameters() if p.is_floating_point())
     real = head.project(features[:, :n].to(dtype))  # [B, n, hidden]
     positions = torch.arange(n, device=input_ids.device).expand(tokens.shape[0], n) + head.position_offset
     target = teacher_log_probs[:, 1 : n + 1]  # [B, n, V]: the verifier's distribution of the token at j + 2
+    forward = head.draft_forward if draft else head
     fed, total = real, 0.0
     for _ in range(passes):
-        logits, hidden = head(tokens[:, :n], fed, position_ids=positions, attention_mask=None, cache=None,
-                              use_cache=False)
+        logits, hidden = forward(tokens[:, :n], fed, position_ids=positions, attention_mask=None, cache=None,
+                                 use_cache=False)
         log_q = logits[..., : target.shape[-1]].float().log_softmax(-1)
         log_q = torch.where(torch.isfinite(log_q), log_q, torch.full_like(log_q, -1e4))  # ids the head cannot propose
         total = total + torch.nn.functional.kl_div(log_q, target, log_target=True, reduction="batchmean") / n

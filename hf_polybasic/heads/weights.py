@@ -84,8 +84,11 @@ class VerifierShape:
     def of(cls, verifier) -> VerifierShape:
         config = verifier.config.get_text_config(decoder=True)
         embeddings, lm_head = verifier.get_input_embeddings(), verifier.get_output_embeddings()
+        # a oneDNN-packed LM head (hf_polybasic.models.packed) has no weight: its width and its tensors' device
+        width = getattr(lm_head, "out_features", None) or lm_head.weight.shape[0]
+        device = next((t.device for t in (*lm_head.parameters(), *lm_head.buffers())), embeddings.weight.device)
         return cls(int(config.hidden_size), int(config.num_hidden_layers), int(config.vocab_size), embeddings, lm_head,
-                   int(lm_head.weight.shape[0]), embeddings.weight.dtype, lm_head.weight.device)
+                   int(width), embeddings.weight.dtype, device)
 
 
 def must_equal(source, what: str, value, expected, whose: str) -> None:
