@@ -27,7 +27,7 @@ from .costs import DEFAULT_COST_CURVES, CostCurves
 from .decoding.build import ChainParts
 from .outputs import PolybasicGenerateOutput
 from .processing import reject_stateful_processors
-from .request import HANDLED_MODEL_KWARGS, validate_generation_config
+from .request import HANDLED_MODEL_KWARGS, UNSUPPORTED_OUTPUTS, validate_generation_config
 from .stats import remember_last
 from .timing import DEFAULT_CLOCK, Clock
 
@@ -144,7 +144,10 @@ def check_assisted_call(model, input_ids: torch.LongTensor, logits_processor, ge
             "longer the target's; hf_polybasic decodes exactly what the target would: remove the option"
         )
     reject_stateful_processors(logits_processor)
-    unknown = sorted(set(model_kwargs) - HANDLED_MODEL_KWARGS)
+    for name in UNSUPPORTED_OUTPUTS:  # transformers' loop splits them wrongly after a first round that accepts drafts
+        if model_kwargs.get(name) or getattr(generation_config, name, False):
+            raise NotImplementedError(f"`{name}=True` is not supported by hf_polybasic; use plain generate for it")
+    unknown = sorted(set(model_kwargs) - HANDLED_MODEL_KWARGS - set(UNSUPPORTED_OUTPUTS))
     if unknown:
         raise ValueError(
             f"hf_polybasic does not support these generate arguments: {unknown} (text-only decoder inputs are supported)"

@@ -14,6 +14,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+from transformers import GenerationConfig
+from transformers.generation import LogitsProcessorList
 from transformers.generation.candidate_generator import CandidateGenerator
 
 from .config import PolybasicConfig
@@ -87,7 +89,9 @@ class PolybasicCandidateGenerator(CandidateGenerator):
         polybasic_config: K, mu, the schedule, as for `hf_polybasic.generate`.
         static: the call runs on static caches (``cache_implementation="static"``): every level that
             can decodes on one.
-        parts, clock, costs: as `hf_polybasic.generation.make_generate` takes them.
+        parts: the chain's classes (`hf_polybasic.decoding.build.ChainParts`; tests inject wrong ones).
+        clock: what the levels and schedules time with.
+        costs: the forward-cost curves of the cost-aware schedule (None: the call's timings only).
     """
 
     def __init__(
@@ -95,8 +99,8 @@ class PolybasicCandidateGenerator(CandidateGenerator):
         target: torch.nn.Module,
         assistant_models: Sequence,
         input_ids: torch.LongTensor,
-        logits_processor,
-        generation_config,
+        logits_processor: LogitsProcessorList,
+        generation_config: GenerationConfig,
         polybasic_config: PolybasicConfig | dict | None = None,
         attention_mask: torch.Tensor | None = None,
         *,

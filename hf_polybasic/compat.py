@@ -20,8 +20,12 @@ topic:
   positions, its config's ``layer_types``); `given_cache`, `OUTPUT_CACHE_FIELD` (what `generate` and its
   output call the cache: ``cache`` from transformers 5.24 on);
 * models: `accepts_logits_to_keep`, `is_stateful`;
-* generate: `streamer_of_calling_generate` (the caller's frame), `prepared_pad_token_id`
-  (``GenerationConfig._pad_token_tensor``), `mark_as_user_config` (``_from_model_config``);
+* generate: `streamer_of_calling_generate`, `calling_generate_argument` (the caller's frame),
+  `prepared_pad_token_id` (``GenerationConfig._pad_token_tensor``), `mark_as_user_config`
+  (``_from_model_config``);
+* transformers' assisted loop: `assisted_decoding` (``GenerationMixin._assisted_decoding`` and the
+  ``_get_candidate_generator`` it asks), `use_assisted_loop_cache` (``_prepare_cache_for_generation``
+  in ``GenerationMode.ASSISTED_GENERATION``), `ASSISTED_DECODING_TAKES_STATIC_CACHE`;
 * loading: `gguf_tensors` (transformers' GGUF reader: its dequantization, tensor processors and
   name map, ``transformers.modeling_gguf_pytorch_utils``, one tensor at a time);
 * logits processors: `shift_positions` (the attributes that hold absolute positions),

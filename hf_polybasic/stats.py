@@ -38,7 +38,8 @@ class LevelStats:
         forward_costs: this model's forward cost on this machine as the cost-aware schedule saw it
             at the end of the call, ``{k: seconds}`` for k tokens scored (None for other schedules).
         runner: how this model's forwards ran: "dynamic" (a `DynamicCache`), "static" or "static,
-            compiled" (`hf_polybasic.runners.static`); "" for a `Drafter`.
+            compiled" (`hf_polybasic.runners.static`); "transformers" for a target that transformers'
+            assisted loop ran (`hf_polybasic.assisted_generate`); "" for a `Drafter`.
         forward_widths: on a static runner, ``{padded width: decoding forwards}`` (each width is one
             shape, one compiled graph; prompt prefills not counted); empty otherwise.
         bypassed_rounds: rounds of the level above in which this intermediate level sat out and the
