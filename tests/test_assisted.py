@@ -104,6 +104,36 @@ class _Collecting(BaseStreamer):
         self.ended = True
 
 
+@pytest.mark.parametrize("depth, cache", [(2, None), (3, None), (3, "static")])
+def test_greedy_output_where_reads_wait_for_the_device(depth, cache, drafts_read_with_the_decision, chain_of,
+                                                      monkeypatch):
+    """As on a GPU: a model drafter right under the target leaves its drafts unread (`Deferred`, read
+    here since transformers' loop reads nothing with its decision); under a middle level the middle
+    reads them with its decision, or, on static caches, decides its rounds on the device. Schedules
+    also stop after any token of probability <= 0.6 (the fixture)."""
+    from hf_polybasic import candidates
+
+    if cache == "static" and not compat.ASSISTED_DECODING_TAKES_STATIC_CACHE:
+        pytest.skip("static caches in transformers' loop: >= 5.24")
+    settled, read = [], candidates.settled
+    monkeypatch.setattr(candidates, "settled", lambda proposals: settled.append(proposals) or read(proposals))
+    target, *assistants = chain_of("llama", depth)
+    ids = prompt(5, seed=depth)
+    reference = _greedy(target, ids, max_new_tokens=24)
+    with simulated_machine(cheap_drafting_costs(target, assistants), assisted=True) as simulated:
+        out = _greedy(target, ids, max_new_tokens=24, custom_generate=simulated, assistant_models=assistants,
+                      cache_implementation=cache, return_dict_in_generate=True,
+                      polybasic_config=hp.PolybasicConfig(block_threshold=3))
+    assert torch.equal(out.sequences, reference)
+    assert_every_level_took_part(out.polybasic_stats, rejections=False)
+    if depth == 2:
+        assert sum(any(p.deferred is not None for p in proposals.values()) for proposals in settled) > 0
+    elif cache is None:
+        assert drafts_read_with_the_decision["deferred"] > 0
+    else:
+        assert out.polybasic_stats.levels[1].device_rounds > 0
+
+
 def test_assistant_model_is_a_chain_of_one(chain_of):
     """transformers' own ``assistant_model=`` beside ``custom_generate=hp.assisted_generate`` (which
     `generate` does not hand the callable) is the chain ``[assistant_model]``."""

@@ -21,7 +21,7 @@ from hf_polybasic.assisted import make_assisted_generate
 from hf_polybasic.candidates import PolybasicCandidateGenerator
 from hf_polybasic.decoding.build import ChainParts
 from hf_polybasic.decoding.round import IntermediateLevel, ModelDrafter
-from hf_polybasic.testing import prompt
+from hf_polybasic.testing import cheap_drafting_costs, prompt, simulated_machine
 
 
 class RememberingDrafter(ModelDrafter):
@@ -100,3 +100,16 @@ def test_negative_control_a_uniform_distribution_reported_fails(distribution_mod
     counts, stats = assisted_counts(target, assistants, seed=12, samples=800, **CONFIG)
     assert_every_level_took_part(stats)
     assert chi_square_p_value(counts, exact_distribution(SETTING)) < ALPHA
+
+
+@pytest.mark.slow
+def test_drafts_read_after_the_drafting_sample_the_targets_distribution(drafts_read_with_the_decision,
+                                                                       distribution_models, exact_distribution):
+    """As on a GPU, with schedules that cut drafts after any token of probability <= 0.6 (the
+    fixture): the drafter right under the target drafts a width unread and the generator reads where
+    its block ends (`hf_polybasic.candidates.settled`), a cut that depends only on the drafts."""
+    target, assistant = distribution_models[:2]
+    with simulated_machine(cheap_drafting_costs(target, [assistant]), assisted=True) as generate:
+        counts, stats = assisted_counts(target, [assistant], seed=31, samples=1000, generate=generate)
+    print(assert_every_level_took_part(stats))
+    assert chi_square_p_value(counts, exact_distribution(SETTING)) > ALPHA
