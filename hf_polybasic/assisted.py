@@ -27,6 +27,7 @@ from .costs import DEFAULT_COST_CURVES, CostCurves
 from .decoding.build import ChainParts
 from .outputs import PolybasicGenerateOutput
 from .processing import reject_stateful_processors
+from .runners.recurrent import recurrent_layers
 from .request import HANDLED_MODEL_KWARGS, UNSUPPORTED_OUTPUTS, validate_generation_config
 from .stats import remember_last
 from .timing import DEFAULT_CLOCK, Clock
@@ -127,10 +128,9 @@ def check_assisted_call(model, input_ids: torch.LongTensor, logits_processor, ge
     if synced_gpus:
         raise NotImplementedError("synced_gpus (DeepSpeed ZeRO-3 / FSDP) is not supported by hf_polybasic")
     validate_generation_config(generation_config)  # beam search and the like first: they widen the batch too
-    repeats = int(generation_config.num_return_sequences or 1)
-    if repeats > 1:
+    if (generation_config.num_return_sequences or 1) > 1:
         raise ValueError(
-            f"num_return_sequences={repeats}: transformers' assisted loop (hp.assisted_generate) decodes one sequence "
+            f"num_return_sequences={generation_config.num_return_sequences}: transformers' assisted loop (hp.assisted_generate) decodes one sequence "
             "at a time; call it once per sequence, or use custom_generate=hp.generate, which decodes them together"
         )
     if input_ids.shape[0] > 1:
@@ -145,32 +145,31 @@ def check_assisted_call(model, input_ids: torch.LongTensor, logits_processor, ge
         )
     reject_stateful_processors(logits_processor)
     for name in UNSUPPORTED_OUTPUTS:  # transformers' loop splits them wrongly after a first round that accepts drafts
-        if model_kwargs.get(name) or getattr(generation_config, name, False):
+        if getattr(generation_config, name):
             raise NotImplementedError(f"`{name}=True` is not supported by hf_polybasic; use plain generate for it")
     unknown = sorted(set(model_kwargs) - HANDLED_MODEL_KWARGS - set(UNSUPPORTED_OUTPUTS))
     if unknown:
         raise ValueError(
             f"hf_polybasic does not support these generate arguments: {unknown} (text-only decoder inputs are supported)"
         )
-    if model_kwargs.get("use_cache", generation_config.use_cache) is False:
+    if generation_config.use_cache is False:
         raise ValueError(
             "use_cache=False: transformers' assisted loop (hp.assisted_generate) verifies drafts on the target's cache "
             "and crops it; leave use_cache on, or use custom_generate=hp.generate"
         )
-    static = (getattr(generation_config, "cache_implementation", None) == "static"
-              or compat.is_static_cache(compat.given_cache(model_kwargs)))
+    # generate builds a StaticCache for cache_implementation="static" before calling us
+    static = compat.is_static_cache(compat.given_cache(model_kwargs))
     if static and not compat.ASSISTED_DECODING_TAKES_STATIC_CACHE:
         raise ValueError(
             f"transformers' assisted loop (hp.assisted_generate) takes a static cache from transformers 5.24 on; this "
             f"is {compat.TRANSFORMERS_VERSION}: use custom_generate=hp.generate (its models decode on static caches of "
             "their own), or a dynamic cache"
         )
-    layer = None if compat.is_stateful(model) else compat.unrollable_layer(compat.new_dynamic_cache(model))
-    if compat.is_stateful(model) or layer is not None:
-        where = f" (cache layer {layer[0]}: {layer[1]})" if layer is not None else ""
+    layers = recurrent_layers(model)
+    if layers:
         raise ValueError(
-            f"the target {type(model).__name__} keeps recurrent state{where}, which transformers' assisted loop "
-            "(hp.assisted_generate) cannot crop back to the accepted drafts; use custom_generate=hp.generate, whose "
-            "runners keep copies of the state"
+            f"the target {type(model).__name__} keeps recurrent state ({layers[0].describe()}), which transformers' "
+            "assisted loop (hp.assisted_generate) cannot crop back to the accepted drafts; use "
+            "custom_generate=hp.generate, whose runners keep copies of the state"
         )
     return static

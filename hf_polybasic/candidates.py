@@ -20,6 +20,7 @@ from transformers.generation.candidate_generator import CandidateGenerator
 
 from .config import PolybasicConfig
 from .costs import CostCurves
+from .decoding.acceptance import align_vocabulary
 from .decoding.build import ChainParts, build_chain, level_names
 from .decoding.protocol import Proposal
 from .decoding.reads import HostRead
@@ -156,14 +157,12 @@ class PolybasicCandidateGenerator(CandidateGenerator):
 
     def candidate_logits(self, proposal: Proposal) -> torch.Tensor | None:
         """``[1, k, V]`` float32 log-probabilities of the distributions the block was drawn from (-inf
-        where 0, padded with -inf to the target's width V; transformers softmaxes them back), or None
-        for point masses."""
+        where 0; transformers softmaxes them back), or None for point masses. A narrower distribution
+        (a `Drafter`'s) is padded to the target's width V (`align_vocabulary`); model levels already
+        report V ids."""
         if proposal.probs is None:
             return None
-        probs = proposal.probs.float()  # [k, V_level]
-        if probs.shape[-1] < self.width:
-            probs = torch.nn.functional.pad(probs, (0, self.width - probs.shape[-1]))
-        return probs.log().unsqueeze(0)
+        return align_vocabulary(proposal.probs.float(), self.width).log().unsqueeze(0)  # [1, k, V]
 
     def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.Tensor, num_matches: int,
                                   *args, **kwargs) -> None:

@@ -6,6 +6,7 @@ test_assisted_sampling.py.
 """
 
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,11 +14,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from helpers import assert_every_level_took_part
 from transformers import GenerationConfig
-from transformers.generation import BaseStreamer, LogitsProcessorList
+from transformers.generation import BaseStreamer, LogitsProcessorList, PrefixConstrainedLogitsProcessor
 
 import hf_polybasic as hp
 from hf_polybasic import assisted, compat
 from hf_polybasic.candidates import PolybasicCandidateGenerator
+from hf_polybasic.drafters import Drafter
 from hf_polybasic.testing import EOS, cheap_drafting_costs, make_chain, make_tokenizer, prompt, simulated_machine
 
 
@@ -125,7 +127,11 @@ def test_greedy_output_where_reads_wait_for_the_device(depth, cache, drafts_read
                       cache_implementation=cache, return_dict_in_generate=True,
                       polybasic_config=hp.PolybasicConfig(block_threshold=3))
     assert torch.equal(out.sequences, reference)
-    assert_every_level_took_part(out.polybasic_stats, rejections=False)
+    stats = out.polybasic_stats
+    assert_every_level_took_part(stats, rejections=False)
+    # the simulated clock charges the target 10 ms a forward: transformers' loop runs one per verification
+    assert stats.levels[0].seconds == pytest.approx(0.010 * stats.levels[0].verifications)
+    assert all(level.forward_costs for level in stats.levels[1:])  # the schedules priced by the machine's curves
     if depth == 2:
         assert sum(any(p.deferred is not None for p in proposals.values()) for proposals in settled) > 0
     elif cache is None:
@@ -150,11 +156,16 @@ def test_assistant_model_is_a_chain_of_one(chain_of):
 
 
 @pytest.mark.skipif(not compat.ASSISTED_DECODING_TAKES_STATIC_CACHE, reason="static caches in the loop: >= 5.24")
-def test_greedy_output_on_static_caches(chain_of):
+@pytest.mark.parametrize("asked", ["cache_implementation", "a StaticCache of the caller's"])
+def test_greedy_output_on_static_caches(asked, chain_of):
+    from transformers import StaticCache
+
     target, *assistants = chain_of("llama", 3)
     ids = prompt(6, seed=4)
     reference = _greedy(target, ids, max_new_tokens=20)
-    out = _greedy(target, ids, max_new_tokens=20, cache_implementation="static", custom_generate=hp.assisted_generate,
+    static = ({"cache_implementation": "static"} if asked == "cache_implementation" else
+              {compat.cache_argument(target): StaticCache(config=target.config, max_cache_len=32)})
+    out = _greedy(target, ids, max_new_tokens=20, custom_generate=hp.assisted_generate, **static,
                   assistant_models=assistants, return_dict_in_generate=True,
                   polybasic_config=hp.PolybasicConfig(schedule="constant"))
     assert torch.equal(out.sequences, reference)
@@ -260,6 +271,90 @@ def test_the_generator_takes_every_releases_calling_convention(version, chain_of
     assert generator.rounds == 1 and generator.stats.levels[0].accepted == 1
 
 
+def test_the_generator_reads_the_config_stored_in_the_generation_config(chain_of):
+    """A `PolybasicConfig` saved into the generation config (`save_to`) rules a call that gives none."""
+    target, draft = chain_of("llama", 2)
+    ids = prompt(5, seed=3)
+    config = GenerationConfig(do_sample=False, max_length=30, eos_token_id=None)
+    hp.PolybasicConfig(schedule="constant", num_draft_tokens=2).save_to(config)
+    candidates, _ = PolybasicCandidateGenerator(target, [draft], ids, LogitsProcessorList(), config).get_candidates(ids)
+    assert candidates.shape[1] - ids.shape[1] == 2
+
+
+class NarrowDrafter(Drafter):
+    """Samples among the first ``width`` ids and reports float64 log-probabilities over them only."""
+
+    stateless = True
+
+    def __init__(self, width: int):
+        self.width = width
+
+    def propose(self, sequence, max_new_tokens):
+        probs = torch.full((3, self.width), 1.0 / (self.width - 3), dtype=torch.float64)
+        probs[:, :3] = 0  # no pad, BOS or EOS
+        count = min(3, max_new_tokens)
+        return torch.multinomial(probs[:count], 1)[:, 0], probs[:count].log()
+
+
+def test_a_drafters_narrower_distribution_is_reported_over_the_targets_vocabulary(chain_of):
+    target = chain_of("llama", 2)[0]
+    ids = prompt(5, seed=3)
+    config = GenerationConfig(do_sample=True, max_length=30, eos_token_id=None, top_k=None)
+    generator = PolybasicCandidateGenerator(target, [NarrowDrafter(20)], ids, LogitsProcessorList(), config,
+                                            hp.PolybasicConfig(schedule="constant"))
+    candidates, logits = generator.get_candidates(ids)
+    assert candidates.shape[1] - ids.shape[1] == 3
+    assert logits.shape == (1, 3, target.config.vocab_size) and logits.dtype == torch.float32
+    assert torch.allclose(logits[0, :, 3:20].exp(), torch.full((3, 17), 1 / 17))
+    assert bool((logits[0, :, :3] == float("-inf")).all()) and bool((logits[0, :, 20:] == float("-inf")).all())
+
+
+def test_blocks_stop_short_of_the_budget_and_after_an_eos(chain_of):
+    """The block leaves the target room for its own token, ends at the first EOS, and is fed to the
+    levels without the prompt's left padding, whose processors see row 0 of the call."""
+    target, *assistants = chain_of("llama", 3)
+    ids = prompt(5, seed=4)
+    options = dict(schedule="constant", num_draft_tokens=5, block_threshold=6)
+
+    def block(max_new_tokens, eos=None, padding=0):
+        seen = set()
+
+        def allowed(batch_id, sequence):
+            seen.add(batch_id)
+            return list(range(3, target.config.vocab_size))
+
+        padded = torch.cat([torch.zeros(1, padding, dtype=torch.long), ids], dim=1)
+        mask = torch.cat([torch.zeros(1, padding, dtype=torch.long), torch.ones_like(ids)], dim=1)
+        config = GenerationConfig(do_sample=False, max_length=padded.shape[1] + max_new_tokens, eos_token_id=eos)
+        processors = LogitsProcessorList([PrefixConstrainedLogitsProcessor(allowed, num_beams=1)])
+        generator = PolybasicCandidateGenerator(target, assistants, padded, processors, config,
+                                                hp.PolybasicConfig(**options), attention_mask=mask)
+        candidates, _ = generator.get_candidates(padded)
+        assert seen == {0} and generator.padding == padding
+        return candidates[0, padded.shape[1] :].tolist()
+
+    free = block(20)
+    assert len(free) == 6
+    assert block(3) == free[:2]
+    assert block(20, eos=free[1]) == free[:2]
+    assert block(20, padding=3) == free
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_the_chain_is_the_one_hp_generate_builds(static, chain_of):
+    """The bottom model drafts through its restricted-vocabulary view where `hp.generate` would (not
+    on static caches), every model on the runner the call asks for."""
+    target, *assistants = chain_of("llama", 3)
+    ids = prompt(5, seed=4)
+    generator = PolybasicCandidateGenerator(
+        target, assistants, ids, LogitsProcessorList(), GenerationConfig(do_sample=False, max_length=20),
+        hp.PolybasicConfig(schedule="constant", drafter_vocabulary=32), static=static)
+    runners = generator.chain.runners[1:]
+    assert (runners[-1].model is assistants[-1]) == static
+    assert [type(runner).__name__ for runner in runners] == ["StaticRunner" if static else "CachedModel"] * 2
+    generator.finish()
+
+
 def test_the_loops_hook_is_removed_after_the_call_even_one_that_fails(chain_of):
     target, *assistants = chain_of("llama", 2)
     ids = prompt(4, seed=2)
@@ -285,7 +380,7 @@ def test_two_threads_on_one_model_each_get_their_own_chain(chain_of):
     def run(name, chain):
         try:
             out = _greedy(target, ids, max_new_tokens=20, custom_generate=hp.assisted_generate, assistant_models=chain,
-                          return_dict_in_generate=True)
+                          return_dict_in_generate=True, polybasic_config=hp.PolybasicConfig(schedule="constant"))
             results[name] = (out.sequences, len(out.polybasic_stats.levels))
         except Exception as error:  # noqa: BLE001 - reported below
             errors.append(error)
@@ -301,44 +396,111 @@ def test_two_threads_on_one_model_each_get_their_own_chain(chain_of):
     assert "_get_candidate_generator" not in vars(target)
 
 
-# --- what transformers' loop would decode otherwise: refused ----------------------------------------
+@pytest.mark.parametrize("given", ["none", "generate's"])
+def test_the_loop_gets_a_cache_it_can_crop(given, chain_of):
+    """`compat.use_assisted_loop_cache`: on a sliding-window model the cache transformers' loop gets
+    can be cropped after more tokens than the window (the cache `generate` lays out for a "greedy"
+    call cannot, up to 5.13; 5.0 leaves it to the model's forward); a cache holding tokens is kept."""
+    from transformers import DynamicCache
+
+    target = chain_of("gemma3", 2)[0]
+    name = compat.OUTPUT_CACHE_FIELD
+    kwargs = {} if given == "none" else {name: DynamicCache(config=target.config.get_text_config(decoder=True))}
+    compat.use_assisted_loop_cache(target, GenerationConfig(max_length=32), kwargs)
+    cache = kwargs[name]
+    if hasattr(cache, "activate_past_recording"):  # what the loop does first, from 5.14 on
+        cache.activate_past_recording()
+    ids = prompt(14, seed=3)  # the window is 6
+    target(ids, **{compat.cache_argument(target): cache}, use_cache=True)
+    cache.crop(-4)  # as the loop crops rejected drafts
+    assert compat.cached_tokens(cache) == 10
+    kept = {name: cache}
+    compat.use_assisted_loop_cache(target, GenerationConfig(max_length=32), kept)
+    assert kept[name] is cache
+
+
+# --- what transformers' loop would decode otherwise: refused, as the errors page says -----------------
+ERRORS_PAGE = (Path(__file__).resolve().parent.parent / "docs" / "reference" / "errors.md").read_text()
+
+
+def refused(call, error, *placeholders):
+    """Run ``call``: it raises ``error`` with a message the errors page quotes, where each
+    ``(value, name)`` of ``placeholders`` reads ``<name>``."""
+    with pytest.raises(error) as raised:
+        call()
+    message = str(raised.value)
+    for value, name in placeholders:
+        message = message.replace(str(value), f"<{name}>", 1)
+    assert f"{error.__name__}: {message}\n" in ERRORS_PAGE, message
+
+
 def test_calls_the_loop_would_get_wrong_are_refused(chain_of):
     target, *assistants = chain_of("llama", 2)
     ids = prompt(4, seed=1)
 
     def call(ids=ids, **options):
-        return target.generate(ids, max_new_tokens=4, custom_generate=hp.assisted_generate,
-                               assistant_models=assistants, **options)
+        return lambda: target.generate(ids, max_new_tokens=4, custom_generate=hp.assisted_generate,
+                                       assistant_models=assistants, **options)
 
-    with pytest.raises(ValueError, match="decodes one prompt at a time, got 2"):
-        call(torch.cat([ids, ids]))
-    with pytest.raises(ValueError, match="num_return_sequences=2"):
-        call(do_sample=True, num_return_sequences=2)
-    with pytest.raises(ValueError, match="use_cache=False"):
-        call(use_cache=False)
+    refused(call(torch.cat([ids, ids])), ValueError, (2, "n"))
+    refused(call(do_sample=True, num_return_sequences=2), ValueError, (2, "n"))
+    refused(call(use_cache=False), ValueError)
+    refused(call(output_hidden_states=True, return_dict_in_generate=True), NotImplementedError,
+            ("output_hidden_states", "output_attentions | output_hidden_states"))
     with pytest.raises(ValueError, match="selects one of transformers' own assisted-generation modes"):
-        call(prompt_lookup_num_tokens=3)
+        call(prompt_lookup_num_tokens=3)()
     with pytest.raises(ValueError, match="num_beams=2"):
-        call(num_beams=2)
-    with pytest.raises(NotImplementedError, match="`output_hidden_states=True` is not supported"):
-        call(output_hidden_states=True, return_dict_in_generate=True)
+        call(num_beams=2)()
     if hasattr(GenerationConfig(), "assistant_ensemble_weight"):
-        with pytest.raises(ValueError, match="`assistant_ensemble_weight` mixes"):
-            call(assistant_ensemble_weight=0.5)
+        refused(call(assistant_ensemble_weight=0.5), ValueError)
     if not compat.ASSISTED_DECODING_TAKES_STATIC_CACHE:
-        with pytest.raises(ValueError, match="takes a static cache from transformers 5.24 on"):
-            call(cache_implementation="static")
-    with pytest.raises(ValueError, match="hf_polybasic needs `assistant_models="):
-        target.generate(ids, max_new_tokens=4, custom_generate=hp.assisted_generate)
-    with pytest.raises(ValueError, match="PolybasicCandidateGenerator serves one prompt"):
-        PolybasicCandidateGenerator(target, assistants, torch.cat([ids, ids]), LogitsProcessorList(),
-                                    GenerationConfig(max_length=10))
+        refused(call(cache_implementation="static"), ValueError, (compat.TRANSFORMERS_VERSION, "version"))
+    refused(lambda: target.generate(ids, max_new_tokens=4, custom_generate=hp.assisted_generate), ValueError)
+    refused(lambda: target.generate(ids, max_new_tokens=5, custom_generate=hp.assisted_generate,
+                                    assistant_model=assistants[0], assistant_models=assistants), ValueError)
+    refused(lambda: PolybasicCandidateGenerator(target, assistants, torch.cat([ids, ids]), LogitsProcessorList(),
+                                                GenerationConfig(max_length=10)), ValueError, (2, "n"))
+    check = assisted.check_assisted_call  # what generate itself refuses first, or never passes a callable
+    refused(lambda: check(target, ids, LogitsProcessorList(), GenerationConfig(), True, {}), NotImplementedError)
+    refused(lambda: check(target, ids, LogitsProcessorList(), GenerationConfig(), False, {"pixel_values": None}),
+            ValueError, ("'pixel_values'", "names"))
 
 
-def test_a_target_with_recurrent_state_is_refused():
+def test_an_assistant_that_does_not_decode_on_its_cache_is_named():
+    import transformers as tf
+
+    from hf_polybasic.runners import probe
+
+    llama = make_chain("llama", 1, seed=4)[0]
+    torch.manual_seed(0)
+    gpt = tf.OpenAIGPTLMHeadModel(tf.OpenAIGPTConfig(vocab_size=llama.config.vocab_size, n_positions=64, n_embd=32,
+                                                     n_layer=1, n_head=4)).eval()
+    if probe.cache_problem(gpt) is None:
+        pytest.skip("this release's OpenAI-GPT passes the probe")
+    with pytest.raises(ValueError, match=r"^assistant_models\[0\] \(M2 OpenAIGPTLMHeadModel\) cannot be part"):
+        llama.generate(prompt(4), max_new_tokens=4, custom_generate=hp.assisted_generate, assistant_models=[gpt])
+
+
+def test_enable_takes_one_of_two_loops():
+    target = make_chain("llama", 1, seed=13)[0]
+    refused(lambda: hp.enable(target, loop="hf"), ValueError, ("'hf'", "value"))
+    hp.enable(target, loop="transformers")
+    try:
+        refused(lambda: target.generate(prompt(3), max_new_tokens=4, assistant_model=target,
+                                        assistant_tokenizer=object()), ValueError)
+    finally:
+        hp.disable(target)
+
+
+@pytest.mark.parametrize("arch", ["lfm2", "mamba"])
+def test_a_target_with_recurrent_state_is_refused(arch):
+    """LFM2's short convolutions and Mamba's whole model keep state the loop cannot crop."""
+    from hf_polybasic.runners.recurrent import recurrent_layers
     from hf_polybasic.testing import make_target
 
-    target = make_target("qwen3_next" if compat.TRANSFORMERS_VERSION.major >= 5 else "mamba", seed=1)
+    target = make_target(arch, seed=1)
     ids = prompt(4, seed=1)
-    with pytest.raises(ValueError, match="keeps recurrent state"):
-        target.generate(ids, max_new_tokens=4, custom_generate=hp.assisted_generate, assistant_models=[target])
+    refused(lambda: target.generate(ids, max_new_tokens=4, custom_generate=hp.assisted_generate,
+                                    assistant_models=[target]),
+            ValueError, (type(target).__name__, "class"),
+            (recurrent_layers(target)[0].describe(), "layer i is its kind | class is stateful"))
