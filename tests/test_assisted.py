@@ -20,7 +20,8 @@ import hf_polybasic as hp
 from hf_polybasic import assisted, compat
 from hf_polybasic.candidates import PolybasicCandidateGenerator
 from hf_polybasic.drafters import Drafter
-from hf_polybasic.testing import EOS, cheap_drafting_costs, make_chain, make_tokenizer, prompt, simulated_machine
+from hf_polybasic.testing import (EOS, cheap_drafting_costs, make_chain, make_tokenizer, noisy_copy, prompt,
+                                  simulated_machine)
 
 
 @pytest.fixture(scope="module")
@@ -355,6 +356,29 @@ def test_the_chain_is_the_one_hp_generate_builds(static, chain_of):
     generator.finish()
 
 
+def test_the_calls_forward_costs_refresh_the_curves(chain_of):
+    """Under the cost-aware schedule, what the levels' forwards cost in the call refines the stored
+    curves (`Chain.finish` with the generator's ``costs``), as after `hp.generate`."""
+    from hf_polybasic.costs import CostCurves, cost_key
+
+    class Counting(CostCurves):
+        refreshed = 0
+
+        def refresh(self, model, estimate, runner="dynamic"):
+            Counting.refreshed += 1
+            super().refresh(model, estimate, runner)
+
+    target, draft = chain_of("llama", 2)
+    ids = prompt(5, seed=2)
+    curves = Counting(directory=None, key=lambda model: f"{cost_key(model)}-{id(model)}")
+    generator = PolybasicCandidateGenerator(target, [draft], ids, LogitsProcessorList(),
+                                            GenerationConfig(do_sample=False, max_length=20), costs=curves)
+    candidates, _ = generator.get_candidates(ids)
+    generator.update_candidate_strategy(candidates, None, 0)
+    generator.finish()
+    assert Counting.refreshed == 2  # the target's curve and the drafter's
+
+
 def test_the_loops_hook_is_removed_after_the_call_even_one_that_fails(chain_of):
     target, *assistants = chain_of("llama", 2)
     ids = prompt(4, seed=2)
@@ -423,12 +447,13 @@ def test_the_loop_gets_a_cache_it_can_crop(given, chain_of):
 ERRORS_PAGE = (Path(__file__).resolve().parent.parent / "docs" / "reference" / "errors.md").read_text()
 
 
-def refused(call, error, *placeholders):
-    """Run ``call``: it raises ``error`` with a message the errors page quotes, where each
-    ``(value, name)`` of ``placeholders`` reads ``<name>``."""
+def refused(call, error, *placeholders, begins: str = ""):
+    """Run ``call``: it raises ``error`` with a message that ``begins`` so and the errors page
+    quotes, where each ``(value, name)`` of ``placeholders`` reads ``<name>``."""
     with pytest.raises(error) as raised:
         call()
     message = str(raised.value)
+    assert message.startswith(begins), message
     for value, name in placeholders:
         message = message.replace(str(value), f"<{name}>", 1)
     assert f"{error.__name__}: {message}\n" in ERRORS_PAGE, message
@@ -442,8 +467,8 @@ def test_calls_the_loop_would_get_wrong_are_refused(chain_of):
         return lambda: target.generate(ids, max_new_tokens=4, custom_generate=hp.assisted_generate,
                                        assistant_models=assistants, **options)
 
-    refused(call(torch.cat([ids, ids])), ValueError, (2, "n"))
-    refused(call(do_sample=True, num_return_sequences=2), ValueError, (2, "n"))
+    refused(call(torch.cat([ids, ids])), ValueError, (2, "n"), begins="transformers' assisted loop")
+    refused(call(do_sample=True, num_return_sequences=2), ValueError, (2, "n"), begins="num_return_sequences")
     refused(call(use_cache=False), ValueError)
     refused(call(output_hidden_states=True, return_dict_in_generate=True), NotImplementedError,
             ("output_hidden_states", "output_attentions | output_hidden_states"))
@@ -475,10 +500,11 @@ def test_an_assistant_that_does_not_decode_on_its_cache_is_named():
     torch.manual_seed(0)
     gpt = tf.OpenAIGPTLMHeadModel(tf.OpenAIGPTConfig(vocab_size=llama.config.vocab_size, n_positions=64, n_embd=32,
                                                      n_layer=1, n_head=4)).eval()
+    draft = noisy_copy(llama, 0.2, seed=5)
     if probe.cache_problem(gpt) is None:
         pytest.skip("this release's OpenAI-GPT passes the probe")
     with pytest.raises(ValueError, match=r"^assistant_models\[0\] \(M2 OpenAIGPTLMHeadModel\) cannot be part"):
-        llama.generate(prompt(4), max_new_tokens=4, custom_generate=hp.assisted_generate, assistant_models=[gpt])
+        llama.generate(prompt(4), max_new_tokens=4, custom_generate=hp.assisted_generate, assistant_models=[gpt, draft])
 
 
 def test_enable_takes_one_of_two_loops():
