@@ -92,14 +92,16 @@ test-quant4: $(QUANT4)/.installed
 # generate penalizes each row's left padding), 5.23 (generate keeps the streamer from
 # custom_generate), 5.24 (`cache` renames `past_key_values`; the newest: .venv). Every release runs
 # MATRIX_TESTS (the compat checks, greedy equality on every architecture, generate's features,
-# batched decoding, greedy equality with a level of another tokenizer); the oldest also runs
-# MATRIX_MORE_TESTS (the distribution tests, the restricted drafter, all of the translated level's).
-# `make test-matrix` runs them one after the other (-j2: two at a time).
+# batched decoding, greedy equality with a level of another tokenizer, transformers' own assisted loop
+# over the chain); the oldest also runs MATRIX_MORE_TESTS (the distribution tests, the restricted
+# drafter, all of the translated level's, sampling in transformers' loop, which 4.57 ends at an EOS or
+# the budget its own way). `make test-matrix` runs them one after the other (-j2: two at a time).
 MATRIX_RELEASES := 4.57.6 5.17.0 5.23.0 5.20.2 5.14.1 5.4.0
 MATRIX_TESTS := tests/test_compat.py tests/test_greedy_equality.py tests/test_generate_features.py tests/test_batches.py \
-	tests/test_translated.py::test_greedy_output_is_plain_generates
+	tests/test_translated.py::test_greedy_output_is_plain_generates tests/test_assisted.py
 MATRIX_MORE_RELEASES := 4.57.6
-MATRIX_MORE_TESTS := tests/test_sampling_distribution.py tests/test_vocab_head.py tests/test_translated.py
+MATRIX_MORE_TESTS := tests/test_sampling_distribution.py tests/test_vocab_head.py tests/test_translated.py \
+	tests/test_assisted_sampling.py
 # the static runner where a release's caches or masks differ for it (4.57: custom 4-D masks checked
 # against the cache; 5.4: generate keeps its own static cache on the model; 5.17: the last before 5.18's caches)
 STATIC_RELEASES := 4.57.6 5.4.0 5.17.0

@@ -17,6 +17,8 @@ To choose the chain, K and mu from measurements, profile a pool and plan::
 """
 
 from . import drafters, levels
+from .assisted import assisted_generate
+from .candidates import PolybasicCandidateGenerator
 from .config import PolybasicConfig
 from .generation import PolybasicGenerateOutput, disable, enable, generate, last_stats
 from .levels import restricted_vocabulary
@@ -24,10 +26,12 @@ from .planning import Plan, Profile, plan, profile
 from .stats import LevelStats, PolybasicStats
 
 __all__ = [
+    "assisted_generate",
     "drafters",
     "levels",
     "LevelStats",
     "Plan",
+    "PolybasicCandidateGenerator",
     "PolybasicConfig",
     "PolybasicGenerateOutput",
     "PolybasicStats",

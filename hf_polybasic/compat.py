@@ -20,9 +20,13 @@ topic:
   positions, its config's ``layer_types``); `given_cache`, `OUTPUT_CACHE_FIELD` (what `generate` and its
   output call the cache: ``cache`` from transformers 5.24 on);
 * models: `accepts_logits_to_keep`, `is_stateful`;
-* generate: `streamer_of_calling_generate` and `assistant_model_of_calling_generate` (the caller's
-  frame), `pads_finished_rows` (when batched `generate` pads a stopped row), `prepared_pad_token_id`
-  (``GenerationConfig._pad_token_tensor``), `mark_as_user_config` (``_from_model_config``);
+* generate: `calling_generate_argument` (an argument of the calling `generate`, read from its frame:
+  `streamer_of_calling_generate`, `assistant_model_of_calling_generate`), `pads_finished_rows` (when
+  batched `generate` pads a stopped row), `prepared_pad_token_id` (``GenerationConfig._pad_token_tensor``),
+  `mark_as_user_config` (``_from_model_config``);
+* transformers' assisted loop: `assisted_decoding` (``GenerationMixin._assisted_decoding`` and the
+  ``_get_candidate_generator`` it asks), `use_assisted_loop_cache` (``_prepare_cache_for_generation``
+  in ``GenerationMode.ASSISTED_GENERATION``), `ASSISTED_DECODING_TAKES_STATIC_CACHE`;
 * loading: `gguf_tensors` (transformers' GGUF reader: its dequantization, tensor processors and
   name map, ``transformers.modeling_gguf_pytorch_utils``, one tensor at a time);
 * logits processors: `shift_positions` (the attributes that hold absolute positions, the processors
@@ -44,6 +48,7 @@ import copy
 import functools
 import inspect
 import sys
+import threading
 import warnings
 from collections.abc import Mapping
 from typing import Any
@@ -617,7 +622,7 @@ def streamer_of_calling_generate(max_depth: int = 6):
     frames (decorators such as ``torch.no_grad`` add some) to the nearest `GenerationMixin.generate`
     frame and reads its local variable.
     """
-    return _local_of_calling_generate("streamer", max_depth)
+    return calling_generate_argument("streamer", max_depth + 1)
 
 
 def assistant_model_of_calling_generate(max_depth: int = 6):
@@ -628,20 +633,7 @@ def assistant_model_of_calling_generate(max_depth: int = 6):
     it and the call would silently decode without that model. ``assistant_model`` is a parameter of
     `GenerationMixin.generate` on every release the package admits: its frame still holds it.
     """
-    return _local_of_calling_generate("assistant_model", max_depth)
-
-
-def _local_of_calling_generate(name: str, max_depth: int):
-    """The local ``name`` of the nearest `GenerationMixin.generate` frame within ``max_depth`` frames
-    above the caller of this module's function that asks (our `custom_generate`), or None."""
-    frame = sys._getframe(2)
-    for _ in range(max_depth):
-        frame = frame.f_back
-        if frame is None:
-            return None
-        if frame.f_code.co_name == "generate" and frame.f_globals.get("__name__") == "transformers.generation.utils":
-            return frame.f_locals.get(name)
-    return None
+    return calling_generate_argument("assistant_model", max_depth + 1)
 
 
 def pads_finished_rows(stopping_criteria) -> bool:
@@ -662,6 +654,106 @@ def mark_as_user_config(generation_config) -> None:
     """Make transformers keep custom entries of this generation config when it is reloaded (it drops
     them from a config marked ``_from_model_config``)."""
     generation_config._from_model_config = False
+
+
+def calling_generate_argument(name: str, max_depth: int = 8):
+    """The argument ``name`` of the `generate` call that invoked our `custom_generate`, or None.
+
+    transformers hands a `custom_generate` callable neither ``assistant_model`` nor ``streamer``
+    (4.57 - 5.24: the callable's own keyword arguments replace them), so the callable reads them
+    from the nearest `GenerationMixin.generate` frame, a few frames up (decorators add some)."""
+    frame = sys._getframe(1)
+    for _ in range(max_depth):
+        frame = frame.f_back
+        if frame is None:
+            return None
+        if frame.f_code.co_name == "generate" and frame.f_globals.get("__name__") == "transformers.generation.utils":
+            return frame.f_locals.get(name)
+    return None
+
+
+# --- transformers' own assisted loop (`hf_polybasic.assisted`) ---------------------------------------
+class _CandidateGeneratorHook:
+    """Stands on a model as ``_get_candidate_generator`` while `assisted_decoding` runs: each thread
+    gets the generator it registered for this model, any other caller transformers' own choice."""
+
+    def __init__(self, model):
+        self.plain = type(model)._get_candidate_generator.__get__(model)
+        self.by_thread: dict[int, list] = {}
+
+    def __call__(self, *args, **kwargs):
+        stack = self.by_thread.get(threading.get_ident())
+        return stack[-1] if stack else self.plain(*args, **kwargs)
+
+
+_hooks_lock = threading.Lock()
+
+
+def assisted_decoding(model, candidate_generator, input_ids: torch.LongTensor, model_kwargs: dict, **loop_arguments):
+    """transformers' own assisted loop (``GenerationMixin._assisted_decoding``, one signature from
+    4.57 to 5.24) for ``model``, proposing with ``candidate_generator``.
+
+    No release lets a caller hand that loop a `CandidateGenerator`: it asks
+    ``self._get_candidate_generator(...)``, looked up on the model. So for the call the model gets an
+    instance attribute of that name (removed afterwards, whatever happens) answering each thread with
+    the generator it registered: two threads can run this on one model, and anyone else asking
+    during the call gets transformers' own choice. ``loop_arguments``: ``logits_processor``,
+    ``stopping_criteria``, ``generation_config``, ``synced_gpus``, ``streamer``."""
+    thread = threading.get_ident()
+    with _hooks_lock:
+        hook = vars(model).get("_get_candidate_generator")
+        if not isinstance(hook, _CandidateGeneratorHook):
+            hook = _CandidateGeneratorHook(model)
+            model._get_candidate_generator = hook
+        hook.by_thread.setdefault(thread, []).append(candidate_generator)
+    try:
+        return model._assisted_decoding(input_ids, **loop_arguments, **model_kwargs)
+    finally:
+        with _hooks_lock:
+            stack = hook.by_thread[thread]
+            stack.pop()
+            if not stack:
+                del hook.by_thread[thread]
+            if not hook.by_thread and vars(model).get("_get_candidate_generator") is hook:
+                del model._get_candidate_generator
+
+
+def _cache_layout(cache) -> tuple:
+    return type(cache), tuple(type(layer) for layer in getattr(cache, "layers", ()))
+
+
+def use_assisted_loop_cache(model, generation_config, model_kwargs: dict) -> None:
+    """Give transformers' assisted loop a cache it can crop: the one its own assisted mode makes.
+
+    `generate` prepares the cache by the generation mode it sees, and a `custom_generate` call is
+    "greedy" or "sample" to it: up to 5.13 its assisted mode builds a cache of full layers instead
+    of sliding ones (a sliding layer cannot be cropped there) and replaces other implementations
+    (quantized, offloaded) with a dynamic cache; 5.14 - 5.23 do the latter. Where the empty cache in
+    ``model_kwargs`` is laid out otherwise than that one (``GenerationMixin._prepare_cache_for_generation``
+    with ``GenerationMode.ASSISTED_GENERATION``, one signature from 4.57 to 5.24), it is replaced
+    (in place). Where that makes none (5.0 leaves the cache to the model's forward, which lays out
+    sliding layers: transformers' own assisted generation fails there on a sliding-window model),
+    the loop gets `new_dynamic_cache`. A cache that already holds tokens is left alone, as are static
+    caches (refused before 5.24, kept by 5.24's assisted mode)."""
+    from transformers.generation.configuration_utils import GenerationMode
+
+    name = next((key for key in CACHE_KWARGS if model_kwargs.get(key) is not None), None)
+    current = None if name is None else model_kwargs[name]
+    if current is not None and (cached_tokens(current) != 0 or is_static_cache(current)):
+        return
+    prepared: dict = {}
+    model._prepare_cache_for_generation(copy.deepcopy(generation_config), prepared,
+                                        GenerationMode.ASSISTED_GENERATION, 1, generation_config.max_length - 1)
+    key = next((key for key in CACHE_KWARGS if prepared.get(key) is not None), None)
+    if key is None:
+        if not getattr(model, "_supports_default_dynamic_cache", lambda: True)():
+            return  # a model that makes a cache of its own kind (refused targets aside, none the chain meets)
+        key = name or ("cache" if CACHE_IS_CALLED_CACHE else "past_key_values")
+        prepared[key] = new_dynamic_cache(model)
+    if current is None or _cache_layout(prepared[key]) != _cache_layout(current):
+        if name is not None:
+            del model_kwargs[name]
+        model_kwargs[key] = prepared[key]
 
 
 # --- logits processors ------------------------------------------------------------------------------

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import functools
 import threading
-import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -19,6 +18,7 @@ import torch
 from transformers import GenerationMixin
 from transformers.generation import StoppingCriteriaList, StopStringCriteria
 
+from .assisted import assisted_generate, one_chain
 from .decoding.build import ChainParts
 from .compat import (assistant_model_of_calling_generate, stop_recording_past_states, streamer_of_calling_generate,
                      warn_if_untested)
@@ -27,27 +27,11 @@ from .costs import DEFAULT_COST_CURVES, CostCurves
 from .decoding.loop import decode_rows
 from .outputs import PolybasicGenerateOutput, assemble_output
 from .request import HF_ASSISTANT_MODEL, PAGED_CACHE, check_request, resolve_config, validate_assistant_models
-from .stats import PolybasicStats
+from .stats import last_stats, remember_last
 from .translation.level import translated
 from .timing import DEFAULT_CLOCK, Clock
 
 __all__ = ["PolybasicGenerateOutput", "disable", "enable", "generate", "last_stats", "make_generate"]
-
-_last = threading.local()  # per thread: model -> the statistics of its latest call in this thread
-
-
-def _last_by_model() -> weakref.WeakKeyDictionary:
-    if not hasattr(_last, "stats"):
-        _last.stats = weakref.WeakKeyDictionary()
-    return _last.stats
-
-
-def last_stats(model: torch.nn.Module) -> PolybasicStats | None:
-    """Statistics of the most recent polybasic `generate` call on ``model`` *in this thread* (for
-    tensor outputs; ``return_dict_in_generate=True`` returns them with the call itself). Two
-    threads generating with one model each see their own call's."""
-    return _last_by_model().get(model)
-
 
 def make_generate(
     parts: ChainParts = ChainParts(), clock: Clock = DEFAULT_CLOCK, costs: CostCurves | None = DEFAULT_COST_CURVES
@@ -100,7 +84,7 @@ def make_generate(
             stop_recording_past_states(request.given_cache)  # handed back as generate would
         if streamer is not None:
             streamer.end()
-        _last_by_model()[model] = stats
+        remember_last(model, stats)
         return assemble_output(input_ids, request, results, stats, generation_config)
 
     return generate
@@ -114,14 +98,18 @@ ENABLED_ATTRIBUTE = "_hf_polybasic_enabled"  # the chain and config given to `en
 
 
 class _EnabledDefaults:
-    """What `enable` stored on a model: its default chain and config. Copies of the model share it
-    (a deep copy does not duplicate the assistant models)."""
+    """What `enable` stored on a model: its default chain and config, and which loop runs it. Copies
+    of the model share it (a deep copy does not duplicate the assistant models)."""
 
-    def __init__(self, assistant_models, polybasic_config):
-        self.assistant_models, self.polybasic_config = assistant_models, polybasic_config
+    def __init__(self, assistant_models, polybasic_config, loop: str = "polybasic"):
+        self.assistant_models, self.polybasic_config, self.loop = assistant_models, polybasic_config, loop
 
     def __deepcopy__(self, memo):
         return self
+
+
+# `enable(loop=...)`: which loop an enabled model's calls with a chain run
+LOOPS = ("polybasic", "transformers")
 
 
 _ENABLED_CLASSES: dict[type, type] = {}
@@ -148,9 +136,14 @@ def _enabled_class(plain: type) -> type:
         return _ENABLED_CLASSES[plain]
 
 
-def enable(model, assistant_models: Sequence[torch.nn.Module] | None = None, polybasic_config=None):
+def enable(model, assistant_models: Sequence[torch.nn.Module] | None = None, polybasic_config=None,
+           loop: str = "polybasic"):
     """Make ``model.generate`` (and pipelines built on it) accept ``assistant_models=`` and
     ``polybasic_config=``; optionally store a default chain used when a call gives none.
+
+    ``loop``: ``"polybasic"`` (the default) runs calls with a chain through `generate`;
+    ``"transformers"`` runs them through transformers' own assisted loop (`assisted_generate`: one
+    prompt at a time), where transformers' ``assistant_model=draft`` also means the chain ``[draft]``.
 
     Only this model instance is changed (its class becomes an enabled subclass of the same name);
     copies of it (``copy.copy``, ``copy.deepcopy``) are enabled too and generate with themselves;
@@ -159,22 +152,33 @@ def enable(model, assistant_models: Sequence[torch.nn.Module] | None = None, pol
     """
     if not isinstance(model, GenerationMixin):
         raise TypeError(f"enable() needs a transformers generation model, got {type(model).__name__}")
+    if loop not in LOOPS:
+        raise ValueError(
+            f"enable(loop={loop!r}): choose 'polybasic' (hf_polybasic's own loop, hp.generate) or 'transformers' "
+            "(transformers' assisted loop, hp.assisted_generate)"
+        )
     if assistant_models is not None:
         assistant_models = validate_assistant_models(model, assistant_models)
     if polybasic_config is not None:
         polybasic_config = resolve_config(polybasic_config, None)
     plain = getattr(type(model), "_hf_polybasic_plain_class", type(model))
     model.__class__ = _enabled_class(plain)
-    setattr(model, ENABLED_ATTRIBUTE, _EnabledDefaults(assistant_models, polybasic_config))
+    setattr(model, ENABLED_ATTRIBUTE, _EnabledDefaults(assistant_models, polybasic_config, loop))
     return model
 
 
 def _route_generate(model, plain: type, *args, **kwargs):
     """The enabled `generate`: plain `generate` without a chain, else plain `generate` with our
-    `custom_generate` and the chain (the call's, else the one given to `enable`)."""
+    `custom_generate` (`generate`, or `assisted_generate` for ``loop="transformers"``, where
+    ``assistant_model=`` is a chain too) and the chain (the call's, else the one given to `enable`)."""
     defaults = getattr(model, ENABLED_ATTRIBUTE, None) or _EnabledDefaults(None, None)
+    assisted = defaults.loop == "transformers"
     if kwargs.get("assistant_tokenizer") is not None:  # transformers' spelling of one assistant with its own tokenizer
+        if assisted:
+            raise ValueError(ASSISTED_OTHER_TOKENIZER)
         _route_assistant_tokenizer(kwargs)
+    elif assisted and kwargs.get("assistant_model") is not None:
+        kwargs["assistant_models"] = one_chain(kwargs.get("assistant_models"), kwargs.pop("assistant_model"))
     chain = kwargs.pop("assistant_models", defaults.assistant_models)
     if chain is None:
         if kwargs.get("polybasic_config") is not None:
@@ -192,7 +196,15 @@ def _route_generate(model, plain: type, *args, **kwargs):
     if kwargs.get("tokenizer") is not None:  # transformers drops it before our callable: check here
         validate_assistant_models(model, chain, kwargs["tokenizer"])
     _route_stop_strings(kwargs)
-    return plain.generate(model, *args, custom_generate=generate, assistant_models=chain, **kwargs)
+    return plain.generate(model, *args, custom_generate=assisted_generate if assisted else generate,
+                          assistant_models=chain, **kwargs)
+
+
+ASSISTED_OTHER_TOKENIZER = (
+    "`assistant_tokenizer=`: transformers' loop (enable(model, loop=\"transformers\")) runs assistants that share the "
+    "target's tokenizer; an assistant with its own tokenizer runs on hf_polybasic's own loop: enable the model without "
+    "loop=\"transformers\", or pass assistant_models=[hf_polybasic.levels.translated(model, its_tokenizer, "
+    "target_tokenizer)] to custom_generate=hp.generate")
 
 
 def _route_assistant_tokenizer(kwargs: dict) -> None:

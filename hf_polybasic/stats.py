@@ -8,6 +8,8 @@ mean over the verifications of model M_i. `acceptance_rate` is accepted / drafte
 
 from __future__ import annotations
 
+import threading
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
@@ -38,6 +40,7 @@ class LevelStats:
         runner: how this model's forwards ran: "dynamic" (a `DynamicCache`), "static" or "static,
             compiled" (`hf_polybasic.runners.static`), "static, compile failed" (compiled forwards of
             the model failed in this call or an earlier one: uncompiled since, `hf_polybasic.runners.fallback`);
+            "transformers" for a target that transformers' assisted loop ran (`hf_polybasic.assisted_generate`);
             "" for a `Drafter`.
         forward_widths: on a static runner, ``{padded width: decoding forwards}`` (each width is one
             shape, one compiled graph; prompt prefills not counted); empty otherwise.
@@ -177,3 +180,25 @@ class PolybasicStats:
                 cells = ", ".join(f"{1000 * level.forward_costs[k]:.1f}" for k in ks if k in level.forward_costs)
                 rows.append(f"  {level.name:<{width - 2}} {cells}")
         return "\n".join(rows)
+
+
+_last = threading.local()  # per thread: model -> the statistics of its latest call in this thread
+
+
+def _last_by_model() -> weakref.WeakKeyDictionary:
+    if not hasattr(_last, "stats"):
+        _last.stats = weakref.WeakKeyDictionary()
+    return _last.stats
+
+
+def remember_last(model, stats: PolybasicStats) -> None:
+    """Keep ``stats`` as the latest call's of ``model`` in this thread (`last_stats`)."""
+    _last_by_model()[model] = stats
+
+
+def last_stats(model) -> PolybasicStats | None:
+    """Statistics of the most recent polybasic `generate` call on ``model`` *in this thread*
+    (`hf_polybasic.generate` or `hf_polybasic.assisted_generate`; for tensor outputs:
+    ``return_dict_in_generate=True`` returns them with the call itself). Two threads generating with
+    one model each see their own call's."""
+    return _last_by_model().get(model)

@@ -513,12 +513,15 @@ class SimulatedClock:
 
 
 @contextmanager
-def simulated_machine(costs: Mapping[torch.nn.Module, Callable[[int], float]], parts=None) -> Iterator[Callable]:
+def simulated_machine(costs: Mapping[torch.nn.Module, Callable[[int], float]], parts=None,
+                      assisted: bool = False) -> Iterator[Callable]:
     """``with simulated_machine({model: cost, ...}) as generate:`` a `custom_generate` callable that
     runs on a `SimulatedClock` charging ``cost(tokens)`` seconds per forward of each model, with cost
     curves measured on that clock and kept in memory only. Tests of the cost-aware schedule use it
     to make drafting pay (or not) whatever machine they run on; the hooks are removed on exit.
-    ``parts``: the chain's classes (`hf_polybasic.decoding.build.ChainParts`), for negative controls."""
+    ``parts``: the chain's classes (`hf_polybasic.decoding.build.ChainParts`), for negative controls;
+    ``assisted``: the callable runs transformers' assisted loop (`hf_polybasic.assisted_generate`)."""
+    from .assisted import make_assisted_generate
     from .costs import CostCurves, cost_key
     from .generation import make_generate
 
@@ -527,7 +530,8 @@ def simulated_machine(costs: Mapping[torch.nn.Module, Callable[[int], float]], p
     try:
         # each model object has its own cost here, even models of one configuration
         curves = CostCurves(directory=None, key=lambda model: f"{cost_key(model)}-{id(model)}")
-        yield make_generate(*([] if parts is None else [parts]), clock=clock, costs=curves)
+        make = make_assisted_generate if assisted else make_generate
+        yield make(*([] if parts is None else [parts]), clock=clock, costs=curves)
     finally:
         for handle in handles:
             handle.remove()
