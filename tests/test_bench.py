@@ -101,6 +101,12 @@ def test_spec_bench_categories_map_to_the_task_groups(tmp_path: Path):
     assert [q.question_id for q in chosen] == ["1", "3"]
     with pytest.raises(ValueError, match="no questions in group"):
         prompts.select(questions, groups=["rag"])
+    # --categories: the file's own categories, each a group (code and prose apart, though Spec-Bench files
+    # both under MT-bench)
+    chosen = prompts.select(prompts.by_category(questions, ["coding", "writing"]), per_group=1)
+    assert [(q.question_id, q.group) for q in chosen] == [("2", "coding"), ("1", "writing")]
+    with pytest.raises(ValueError, match="no questions of category"):
+        prompts.by_category(questions, ["roleplay"])
 
 
 def test_default_set_covers_seven_groups():

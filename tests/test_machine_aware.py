@@ -81,6 +81,10 @@ def test_choose_target_prefers_bf16_only_where_it_is_about_as_fast():
     choice = choose_target(_costs(fp32=(4.2, 7.9), bf16=(2.0, 16.0)))
     assert (choice.dtype, choice.pack) == (torch.float32, False)
     assert "8.0x a bf16 step" in choice.reason
+    # a bf16 step faster than any fp32 one, and a verification near the packed fp32 one, but 8.6 steps of
+    # its own (emulated AVX2): no chain pays on it, so fp32
+    choice = choose_target(_costs(fp32=(3.76, 7.16), bf16=(0.66, 5.66), fp32_packed=(2.71, 3.35)))
+    assert choice.name == "fp32 packed" and "8.6x a bf16 step" in choice.reason
     # just over the tolerance: fp32
     fp32_total = 10.0
     over = fp32_total * BF16_TOLERANCE * 1.01
@@ -163,3 +167,6 @@ def test_the_costs_command_measures_every_variant_and_writes_its_table(tmp_path)
     written = sorted(path.suffix for path in tmp_path.iterdir())
     assert written == [".json", ".md"]
     assert main(["costs", "--models", "tiny", "--repeats", "1", "--no-progress"]) == 0
+    every = run_costs_table("tiny", repeats=1, out=str(tmp_path), progress=False, only=["fp32"], every_width=True)
+    assert "| k=3 | k=4 |" in every and "T(17)/T(1)" in every
+    assert (tmp_path / next(p.name for p in tmp_path.iterdir() if p.name.endswith("-fp32-every-width.md"))).exists()

@@ -20,7 +20,7 @@ from helpers import (
 
 from hf_polybasic.decoding.build import ChainParts
 from hf_polybasic.config import PolybasicConfig
-from hf_polybasic.costs import CostCurves
+from hf_polybasic.costs import CostCurves, cost_key
 from hf_polybasic.decoding.round import ModelDrafter
 from hf_polybasic.generation import make_generate
 from hf_polybasic.levels import early_exit
@@ -397,6 +397,60 @@ def test_on_a_machine_where_verification_is_flat_it_drafts_long():
     target_level, drafter_level = out.polybasic_stats.levels
     assert drafter_level.paused_rounds == 0
     assert target_level.drafted / target_level.verifications > 4  # beyond the configured K = 4
+
+
+def _step_at_two(k):
+    """An unpacked fp32 target on many CPUs (`docs/results/costs`: 1.5B, AVX2): 2 tokens cost two
+    steps (a slower matrix path than one row's), 8 hardly more, then a gentle rise."""
+    return 0.010 if k <= 1 else 0.020 + 0.001 * max(k - 8, 0)
+
+
+def test_a_round_pays_where_a_long_proposal_beats_decoding_alone_though_its_first_token_does_not():
+    """`CostAwareSchedule.round_pays`: with a step at 2 tokens a one-token round never pays, (1 + a) /
+    (s + 2 T(1)) < 1 / T(1) for any a <= 1, and a round of 8 accepted drafts does; with unsure drafts
+    no length pays. (The first-token rule backed off here for good: issue 47's AVX2 machine.)"""
+    def schedule_after(accepted_of_8):
+        schedule = CostAwareSchedule(4, 16, per_token=True, verifier_costs=Curve(_step_at_two), step_seconds=0.0009)
+        for _ in range(WARMUP_ROUNDS + 2):
+            _round(schedule, 8, accepted_of_8, 8 * 0.0009, verify=_step_at_two(9))
+        return schedule
+
+    sure, unsure = schedule_after(7), schedule_after(0)
+    assert sure.first_token_acceptance() > 0.85 and sure.round_pays() and sure.length() > 0
+    plain = 1 / _step_at_two(1)
+    assert (1 + 1.0) / (0.0009 + _step_at_two(2)) < plain  # not even a sure first token pays alone
+    assert not unsure.round_pays() and unsure.length() == 0
+
+
+@pytest.mark.parametrize("noise, least_speedup", [(0.02, 1.5), (1.0, 0.9)], ids=["close drafter", "random drafter"])
+def test_on_a_machine_whose_second_token_costs_a_step_it_gains_where_drafts_pay_and_stays_near_plain_elsewhere(
+        noise, least_speedup):
+    """The chain on `_step_at_two`'s machine, a drafter at 0.09 of a target step (the 0.5B int8 drafting
+    for the 1.5B): a close copy drafts past the step and gains (2.3x plain decoding's simulated time);
+    a random one backs off and stays near plain decoding (0.95x). Priced on the least-squares line
+    through the curve (T(1) seen 1.5x dearer than it is, a second token nearly free), the random drafter
+    ran at 0.64x: it drafted on, round after round of rejected drafts at two steps each."""
+    target = make_target("llama", seed=13, layers=4)
+    drafter = noisy_copy(target, noise, seed=3)
+    clock = SimulatedClock()
+    handles = [clock.charge(target, _step_at_two), clock.charge(drafter, lambda k: 0.0009)]
+    ids, options = prompt(6, seed=4), dict(do_sample=False, max_new_tokens=64, eos_token_id=None)
+    curves = CostCurves(directory=None, key=lambda model: f"{cost_key(model)}-{id(model)}")  # a curve per model object
+    generate = make_generate(clock=clock, costs=curves)
+    try:
+        reference = target.generate(ids, **options)
+        chain = dict(custom_generate=generate, assistant_models=[drafter], return_dict_in_generate=True, **options)
+        target.generate(ids, **chain)  # the first call also measures the cost curves (on the clock)
+        start = clock.now
+        out = target.generate(ids, **chain)
+        seconds = clock.now - start
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert torch.equal(out.sequences, reference)
+    assert out.polybasic_stats.levels[0].drafted > 0  # it drafted, in this call too
+    plain = _step_at_two(6) + 63 * _step_at_two(1)
+    assert plain / seconds >= least_speedup
 
 
 def test_a_drafter_dearer_than_the_target_never_runs_not_even_its_first_rounds(shared_models):

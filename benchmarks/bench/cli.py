@@ -45,6 +45,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "or 'fresh' (the same groups, written before issues 29-30's changes were measured)")
     parser.add_argument("--groups", type=_names, default=None,
                         help="comma-separated task groups to run, e.g. qa,math-reasoning,code (default: all)")
+    parser.add_argument("--categories", type=_names, default=None,
+                        help="comma-separated categories of the question file to run, each reported as a group of its "
+                        "own (e.g. Spec-Bench's coding,math_reasoning,writing), instead of --groups")
     parser.add_argument("--questions-per-group", type=int, default=None,
                         help="first N questions of each group (default: all; --quick: 1)")
     parser.add_argument("--max-new-tokens", type=int, default=None, help="budget per turn (default 256; --quick: 24)")
@@ -84,6 +87,7 @@ def settings_from_args(args: argparse.Namespace, command: str | None = None):
         question_file=args.question_file,
         question_set=args.question_set,
         groups=args.groups,
+        categories=args.categories,
         decoding=args.decoding,
         seed=args.seed,
         num_draft_tokens=args.num_draft_tokens,

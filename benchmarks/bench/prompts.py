@@ -102,6 +102,18 @@ def file_digest(path: str | Path) -> str:
     return digest.hexdigest()
 
 
+def by_category(questions: Sequence[Question], categories: Iterable[str]) -> list[Question]:
+    """The questions of ``categories`` (as the file names them), each category a group of its own: Spec-Bench
+    files every MT-bench category (coding, writing, ...) under one group, where a benchmark may want code
+    and prose apart."""
+    wanted = [category.strip() for category in categories]
+    present = {q.category for q in questions}
+    unknown = [category for category in wanted if category not in present]
+    if unknown:
+        raise ValueError(f"no questions of category {unknown}; the file has {sorted(present)}")
+    return [Question(q.question_id, q.category, q.category, q.turns) for q in questions if q.category in wanted]
+
+
 def select(
     questions: Sequence[Question], groups: Iterable[str] | None = None, per_group: int | None = None
 ) -> list[Question]:

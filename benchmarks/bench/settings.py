@@ -31,6 +31,7 @@ class BenchSettings:
     question_file: str | None = None
     question_set: str = "default"
     groups: tuple[str, ...] | None = None
+    categories: tuple[str, ...] | None = None
     questions_per_group: int | None = None
     max_new_tokens: int = 256
     decoding: str = "greedy"

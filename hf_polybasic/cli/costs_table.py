@@ -34,6 +34,7 @@ from .. import compat
 from ..models import nf4 as four_bit
 from ..costs import hardware
 from ..costs import MEASURED_TOKENS, CostCurve, measure_curve
+from ..costs.measure import EVERY_TOKEN
 from ..timing import timed
 from . import loading
 from .model_sets import QWEN_DRAFT, QWEN_TARGET
@@ -176,16 +177,19 @@ def render_table(curves: dict[str, CostCurve]) -> str:
 
 
 def run_costs_table(models: str = "qwen", repeats: int = 5, out: str | None = None, progress: bool = True,
-                    restricted: Sequence[int] = (), only: Sequence[str] = (), interleaved: bool = False) -> str:
+                    restricted: Sequence[int] = (), only: Sequence[str] = (), interleaved: bool = False,
+                    every_width: bool = False) -> str:
     """Measure, render (machine line, table) and, with ``out``, write ``costs_<class>.md/.json``
-    (``costs_<class>-<only>...`` when ``only`` picks variants)."""
+    (``costs_<class>-<only>...`` when ``only`` picks variants, ``...-every-width`` with ``every_width``: k = 1 .. 17,
+    `hf_polybasic.costs.measure.EVERY_TOKEN`, the widths a dynamic runner's curve is measured at)."""
     machine = hardware.describe_machine()
     variants = qwen_variants(restricted) if models == "qwen" else tiny_variants(restricted)
     if only:
         variants = {label: build for label, build in variants.items() if any(part in label for part in only)}
         if not variants:
             raise ValueError(f"--only {list(only)} matches no variant")
-    curves = measure_variants(variants, repeats=repeats, progress=progress, interleaved=interleaved)
+    tokens = EVERY_TOKEN if every_width else MEASURED_TOKENS
+    curves = measure_variants(variants, tokens, repeats=repeats, progress=progress, interleaved=interleaved)
     text = (
         f"Machine: {machine['cpu']}, {machine['class']}, {machine['threads']} threads, torch {machine['torch']}; "
         f"CPU flags: {', '.join(machine['cpu_flags']) or '-'}\n"
@@ -198,6 +202,7 @@ def run_costs_table(models: str = "qwen", repeats: int = 5, out: str | None = No
         directory.mkdir(parents=True, exist_ok=True)
         slug = machine["torch_cpu_capability"].lower() + ("-emulated" if "emulated" in machine["class"] else "")
         slug += "".join("-" + part.replace(" ", "_") for part in only) + "".join(f"-head{size}" for size in restricted)
+        slug += "-every-width" if every_width else ""
         (directory / f"costs_{models}_{slug}.md").write_text(text)
         payload = {"machine": machine, "curves": {label: curve.to_dict() for label, curve in curves.items()}}
         (directory / f"costs_{models}_{slug}.json").write_text(json.dumps(payload, indent=1) + "\n")

@@ -59,7 +59,8 @@ def _costs(args: argparse.Namespace) -> int:
 
         torch.set_num_threads(args.threads)
     print(run_costs_table(args.models, args.repeats, args.out, progress=not args.no_progress,
-                          restricted=tuple(args.restricted_head), only=tuple(args.only), interleaved=args.interleaved))
+                          restricted=tuple(args.restricted_head), only=tuple(args.only), interleaved=args.interleaved,
+                          every_width=args.every_width))
     return 0
 
 
@@ -102,6 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
     costs.add_argument("--interleaved", action="store_true",
                        help="build every selected variant at once and measure them round by round (fair "
                        "comparisons on a shared machine; needs memory for all of them)")
+    costs.add_argument("--every-width", action="store_true",
+                       help="measure k = 1 .. 17 (every width a verification of up to 16 drafts takes, as the chain "
+                       "measures a dynamic runner's curve) instead of k = 1, 2, 4, 8, 16")
     costs.set_defaults(handler=_costs)
 
     add_plan_parser(commands)

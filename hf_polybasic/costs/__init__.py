@@ -7,8 +7,8 @@ CPU without bf16 units a bf16 forward over k tokens costs about k steps, and fp3
 few rows can take a slow kernel (docs: *Speed on your machine*). So costs are measured, never
 assumed. One concept per module:
 
-* `curve`: `CostCurve`, T(k) of one model on one machine from measured points (isotonic, then
-  linear: `nondecreasing`, `interpolate_cost`);
+* `curve`: `CostCurve`, T(k) of one model on one machine from measured points (slowed timings
+  replaced, then linear: `unslowed`, `interpolate_cost`);
 * `measure`: measuring one (`measure_curve`, `forward_cost`) and what it belongs to (`cost_key`);
 * `store`: `CostCurves`, the curves of the models a process uses, measured once per (model, dtype,
   device, threads, machine), kept on disk (``$HF_POLYBASIC_COSTS``, default
@@ -18,7 +18,7 @@ assumed. One concept per module:
   just made (a busy machine scales every cost alike).
 """
 
-from .curve import CURVE_FORMAT, CostCurve, interpolate_cost, nondecreasing
+from .curve import CURVE_FORMAT, SLOWED, CostCurve, interpolate_cost, unslowed
 from .estimate import ONLINE_DECAY, ONLINE_MAX_TOKENS, CostEstimate
 from .measure import (
     CALIBRATION_CONTEXT,
@@ -39,6 +39,7 @@ from .store import (
 )
 
 __all__ = [
+    "SLOWED",
     "CALIBRATION_CONTEXT",
     "COSTS_DIRECTORY_VARIABLE",
     "CURVE_FORMAT",
@@ -58,5 +59,5 @@ __all__ = [
     "measure_curve",
     "measuring_allowed",
     "model_description",
-    "nondecreasing",
+    "unslowed",
 ]

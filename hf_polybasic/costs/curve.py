@@ -10,38 +10,53 @@ CURVE_FORMAT = 1
 CALIBRATION_CONTEXT = 64
 
 
-def nondecreasing(values: Sequence[float]) -> list[float]:
-    """The lower nondecreasing envelope of ``values``: each becomes the least of it and every later one.
+# a timing over this many times a longer forward's of the same model was slowed by something else on
+# the machine (CI's installs made a target's T(4) 10x its T(8)). A kernel's own shape stays below it:
+# an unpacked fp32 forward of the 1.5B over 3 tokens costs 1.45x one over 4 (MKL's row blocks, measured
+# on AVX2 and AVX-512 alike, docs/speed.md), and decoding must see that to avoid it.
+SLOWED = 2.0
 
-    Forward costs grow with the tokens fed, and noise on a timing is one-sided: preemption or another
-    process on the core only ever makes a forward look slower. So where a longer forward measured
-    cheaper than a shorter one, the shorter one was slowed, and the longer one bounds it. (A
-    least-squares fit spread one preempted timing over its neighbours instead: a profile's T(4)
-    measured 10x too slow made T(8) 5x too slow, and every chain looked slower than plain decoding.)
+
+def unslowed(values: Sequence[float]) -> list[float]:
+    """``values`` (costs by increasing tokens) with every slowed timing replaced: a value over `SLOWED`
+    times the least later one becomes that least later one.
+
+    Noise on a timing is one-sided: preemption or another process on the core only ever makes a forward
+    look slower, and a longer forward bounds a shorter one's true cost from above unless the kernel
+    itself runs slower on fewer rows. A shorter forward measured more than twice a longer one's was
+    slowed; within that, what was measured stands (kernels do cost more at some widths). (A
+    least-squares fit spread one preempted timing over its neighbours: a profile's T(4) measured 10x
+    too slow made T(8) 5x too slow, and every chain looked slower than plain decoding. The lower
+    nondecreasing envelope that replaced it hid real widths that cost more than wider ones.)
     """
-    envelope, least = [], math.inf
+    cleaned, least = [], math.inf
     for value in reversed(values):
-        least = min(least, float(value))
-        envelope.append(least)
-    return envelope[::-1]
+        value = float(value)
+        cleaned.append(least if value > SLOWED * least else value)
+        least = min(least, value)
+    return cleaned[::-1]
 
 
 def interpolate_cost(points: Mapping[int, float], k: float) -> float:
     """Seconds of a forward feeding ``k`` tokens from measured ``{tokens: seconds}`` points.
 
-    The points are first made nondecreasing in tokens (`nondecreasing`); then linear in k between
-    them, extrapolated from the last two beyond the last (and from the first two below the first);
-    one point is a constant.
+    Slowed timings are replaced first (`unslowed`); then linear in k between neighbouring points;
+    beyond the last point k_n, along the line from the last point at or below k_n / 2 to k_n (the
+    trend, not the step between two neighbours of a dense curve; flat where that falls); below the
+    first, from the first two; one point is a constant.
     """
     if not points:
         raise ValueError("interpolate_cost needs at least one measured (tokens, seconds) point")
     ks = sorted(points)
-    ys = nondecreasing([points[x] for x in ks])
+    ys = unslowed([points[x] for x in ks])
     if len(ks) == 1:
         return float(ys[0])
-    upper = next((i for i, x in enumerate(ks) if x >= k), len(ks) - 1)
-    upper = min(max(upper, 1), len(ks) - 1)
-    k0, k1, y0, y1 = ks[upper - 1], ks[upper], ys[upper - 1], ys[upper]
+    if k > ks[-1]:  # costs do not fall past the last point: a falling trend there is noise
+        lower = max((i for i, x in enumerate(ks[:-1]) if x <= ks[-1] / 2), default=len(ks) - 2)
+        k0, k1, y0, y1 = ks[lower], ks[-1], min(ys[lower], ys[-1]), ys[-1]
+    else:
+        upper = min(max(next(i for i, x in enumerate(ks) if x >= k), 1), len(ks) - 1)
+        k0, k1, y0, y1 = ks[upper - 1], ks[upper], ys[upper - 1], ys[upper]
     return float(max(y0 + (y1 - y0) * (k - k0) / (k1 - k0), 0.0))
 
 

@@ -13,9 +13,16 @@ from ..runners.dynamic import CachedModel
 from ..compat import new_dynamic_cache
 from .hardware import describe_machine
 from ..timing import DEFAULT_CLOCK, Clock, cuda_devices, synchronize, timed
+from ..config import MAX_DRAFT_TOKENS
 from .curve import CALIBRATION_CONTEXT, CostCurve
 
+# the widths a curve is measured at: a static runner's forwards are padded to a few widths (its shape is
+# a step function of k, these points find the steps); a dynamic runner's run the kernels' own paths for
+# every row count, and those differ from one k to the next (an unpacked fp32 CPU forward over 3 or 7
+# tokens costs 1.45x one over 4 or 8: docs/speed.md), so it is measured at every width a verification
+# of the longest proposal takes
 MEASURED_TOKENS = (1, 2, 4, 8, 16)
+EVERY_TOKEN = tuple(range(1, MAX_DRAFT_TOKENS + 2))
 
 
 @torch.no_grad()
@@ -107,18 +114,21 @@ def measuring_runner(model: torch.nn.Module, runner: str, longest: int, clock: C
 @torch.no_grad()
 def measure_curve(
     model: torch.nn.Module,
-    tokens: Sequence[int] = MEASURED_TOKENS,
+    tokens: Sequence[int] | None = None,
     context: int = CALIBRATION_CONTEXT,
     repeats: int = 3,
     clock: Clock = DEFAULT_CLOCK,
     runner: str = "dynamic",
     capacity: int | None = None,
 ) -> CostCurve:
-    """Measure T(k) of ``model`` for each k in ``tokens`` after ``context`` cached tokens: two untimed
-    forwards of every size first (weights paged in, kernels built (or graphs compiled) for each
-    shape), then ``repeats`` timed rounds over all sizes (interleaved, so drift hits every size
-    alike); the median of each. ``runner``: the kind of runner the forwards go through
+    """Measure T(k) of ``model`` for each k in ``tokens`` (default: `EVERY_TOKEN` through a dynamic
+    runner, `MEASURED_TOKENS` through a static one) after ``context`` cached tokens: untimed forwards
+    of every size first (weights paged in, kernels built for each shape: one each on a dynamic runner,
+    two on a static one), then ``repeats`` timed rounds over all sizes (interleaved, so drift hits
+    every size alike); the median of each. ``runner``: the kind of runner the forwards go through
     (`measuring_runner`, with a static runner's ``capacity``). Uses its own cache and changes nothing."""
+    if tokens is None:
+        tokens = EVERY_TOKEN if runner == "dynamic" else MEASURED_TOKENS
     vocab = model.config.get_text_config(decoder=True).vocab_size
     device = next(model.parameters()).device
     prefix = (torch.arange(context, device=device) * 7919 % max(vocab - 3, 1)) + 3
@@ -126,8 +136,8 @@ def measure_curve(
     sizes = [int(k) for k in tokens]
     try:
         runner.logits(prefix, 1)
-        for k in sizes:
-            _forward_times(model, prefix, k, 1, clock, runner)  # its own warm-up run plus one more
+        for k in sizes:  # one untimed forward of every size (a static runner's: its own warm-up run plus one more)
+            _forward_times(model, prefix, k, 0 if kind == "dynamic" else 1, clock, runner, warm=kind != "dynamic")
         rounds = [[_forward_times(model, prefix, k, 0, clock, runner, warm=False)[0] for k in sizes]
                   for _ in range(repeats)]
     finally:

@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from ..timing import DEFAULT_CLOCK, Clock
-from .curve import CostCurve, nondecreasing
+from .curve import CostCurve, unslowed
 from .estimate import CostEstimate
 from .measure import cost_key, measure_curve
 from ..user_warnings import warn
@@ -43,6 +43,9 @@ log = logging.getLogger("hf_polybasic")
 
 # a compiled runner's points still measured uncompiled (`CostCurves.curve_for`), in its description
 UNCOMPILED_POINTS = "uncompiled_points"
+
+# a dynamic runner's curves are kept under this suffix: measured at every width (`measure.EVERY_TOKEN`)
+DYNAMIC_KEY = "every-width"
 
 COSTS_DIRECTORY_VARIABLE = "HF_POLYBASIC_COSTS"
 MEASURE_VARIABLE = "HF_POLYBASIC_MEASURE_COSTS"
@@ -106,11 +109,12 @@ class CostCurves:
             return self._locks.setdefault(key, threading.Lock())
 
     def key_of(self, model: torch.nn.Module, runner: str = "dynamic") -> str:
-        """The key a curve is kept under: the model's (`cost_key`), and the runner its forwards go
-        through when it is not the dynamic one (a static runner's T(k) is a step function of its
-        widths, a compiled one's runs as graphs: another curve)."""
+        """The key a curve is kept under: the model's (`cost_key`) and the runner its forwards go
+        through (a static runner's T(k) is a step function of its widths, a compiled one's runs as
+        graphs: another curve; a dynamic runner's is measured at every width, `measure.EVERY_TOKEN`,
+        so a curve stored by an earlier release at five widths is measured again)."""
         key = self._key(model)
-        return key if runner == "dynamic" else f"{key}-{runner}"
+        return f"{key}-{DYNAMIC_KEY}" if runner == "dynamic" else f"{key}-{runner}"
 
     def curve_for(
         self, model: torch.nn.Module, clock: Clock = DEFAULT_CLOCK, measure: bool = True, runner: str = "dynamic",
@@ -144,8 +148,8 @@ class CostCurves:
         observed / predicted ratio, weighted by how many forwards the call made, at most a factor
         `MAX_REFRESH_FACTOR` per call), so the next call starts from today's costs.
 
-        The ratios are against the curve's predictions, which come from its points made
-        nondecreasing (`CostCurve.seconds`); so the nondecreasing points are what gets scaled. Scaling
+        The ratios are against the curve's predictions, which come from its points with slowed timings
+        replaced (`CostCurve.seconds`, `hf_polybasic.costs.curve.unslowed`); so those are what gets scaled. Scaling
         the raw points instead kept any noisy pair (T(2) above T(4)) in its ratio forever, and call
         after call of a benchmark drove such points to nonsense (a stored T(4) of 7 ns).
 
@@ -169,9 +173,9 @@ class CostCurves:
                 curve.description = {**curve.description,
                                      UNCOMPILED_POINTS: sorted(uncompiled - estimate.priced_points())}
             ks = sorted(curve.points)
-            smooth = dict(zip(ks, nondecreasing([curve.points[k] for k in ks])))
-            # scaled by their own factors, neighbours can cross: the stored points stay nondecreasing
-            curve.points = dict(zip(ks, nondecreasing([smooth[k] * factors[k] for k in ks])))
+            smooth = dict(zip(ks, unslowed([curve.points[k] for k in ks])))
+            # scaled by their own factors: a point pushed past twice a longer one's is not stored as such
+            curve.points = dict(zip(ks, unslowed([smooth[k] * factors[k] for k in ks])))
             curve.observations += estimate.observed
             if uncompiled or max(abs(math.log(f)) for f in factors.values()) > 0.05:
                 self._save(key, curve)

@@ -18,7 +18,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..compat import decoding_processors, resolved_decoding
-from ..costs import forward_cost
+from ..costs import SLOWED, forward_cost
 from ..drafters import Drafter
 from ..translation.level import Translated
 from ..processing import process_positions
@@ -271,9 +271,6 @@ def _measure_costs(models, prefix, sizes, repeats, propose_seconds, progress) ->
     return costs
 
 
-# a forward measured this many times slower than a longer forward of the same model was slowed by
-# something else on the machine (a longer forward never costs less)
-SLOWED = 2.0
 
 
 def slowed_timings(costs: Mapping[str, Mapping[int, float]]) -> list[tuple[str, int, int, float]]:
@@ -291,7 +288,7 @@ def slowed_timings(costs: Mapping[str, Mapping[int, float]]) -> list[tuple[str, 
 
 def _warn_slowed_timings(costs, repeats: int) -> None:
     """Say where a timing was slowed: the plan prices that forward at the longer one's cost (the
-    lower envelope, `hf_polybasic.costs.nondecreasing`), but the machine was busy while profiling."""
+    `hf_polybasic.costs.unslowed`), but the machine was busy while profiling."""
     slowed = slowed_timings(costs)
     if slowed:
         listed = "; ".join(f"{label}: T({k}) {ratio:.1f}x T({longer})" for label, k, longer, ratio in slowed)

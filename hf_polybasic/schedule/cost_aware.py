@@ -18,11 +18,14 @@ overhead o; this level's proposals cost s per token (measured).
   short.
 * **A `Drafter`** (no confidences: n-gram lookups) proposes the length in 1 .. ``maximum`` that
   maximises expected tokens per second from its running acceptance (`rates.best_length`).
-* **Back-off** (`BackOff`): a round pays only if its first token does, a (T_v(1) + o) >
-  s + T_v(2) - T_v(1) with a the running acceptance of first tokens (every further token is
-  proposed only if it raises the round's rate, so a round whose first token pays beats plain
-  decoding in expectation). When it does not, or when the costs say that not even perfect
-  acceptance could pay, the level proposes nothing for a stretch of rounds, then probes. Every
+* **Back-off** (`BackOff`): rounds go on while some proposal length is expected to beat the
+  parent decoding alone: (1 + a_1 (1 + alpha + ... + alpha^(l-1))) / (l s + T_v(l + 1)) >
+  1 / (T_v(1) + o) for some l, with a_1 the running acceptance of first tokens and alpha the
+  running acceptance per token (`rates.best_round_rate`). Not the first token alone: where a
+  verification of 2 tokens costs two steps and one of 8 hardly more (unpacked fp32 on many CPUs), a
+  one-token round never pays and a long one does, and `keep_drafting` drafts across that step.
+  When no length pays, or when the costs say that not even perfect acceptance could pay, the level
+  proposes nothing for a stretch of rounds, then probes. Every
   quantity is a ratio of costs measured on the same curves, or a count of acceptances, so a machine
   that slows down or speeds up mid-call moves both sides alike. As a safety net against wrong
   costs, `SAFETY_ROUNDS` rounds that yield, by the clock, less than `SAFETY_MARGIN` of plain
@@ -41,7 +44,7 @@ from typing import Protocol
 from .backoff import MAX_BACKOFF_ROUNDS, BackOff
 from .batch_gate import BatchGate
 from .calibration import ConfidenceCalibration
-from .rates import acceptance_rate_estimate, best_length, decayed, worth_more
+from .rates import acceptance_rate_estimate, best_length, best_round_rate, decayed, worth_more
 
 # verifications before the back-off judges the rounds and a Drafter's length moves (the first one,
 # which includes the prompt's prefill, never counts towards a yield or the overhead)
@@ -139,7 +142,7 @@ class CostAwareSchedule:
         if self.gate is not None and self.gate.paused:
             self._gated_rounds += 1
             return 0
-        if not self.backoff.probing and self.rounds >= WARMUP_ROUNDS and not self.first_token_pays():
+        if not self.backoff.probing and self.rounds >= WARMUP_ROUNDS and not self.round_pays():
             self.backoff.pause()
             return 0
         if self.gate is not None and self.gate.cap is not None:  # a batch not yet seen to pay: short proposals
@@ -207,12 +210,12 @@ class CostAwareSchedule:
         seconds = self.verification_seconds(1)
         return 1.0 / seconds if seconds > 0 else float("inf")
 
-    def first_token_pays(self, margin: float = 1.0) -> bool:
-        """Whether proposing a round's first token is expected to beat the parent decoding alone:
-        a (T_v(1) + o) > margin (s + T_v(2) - T_v(1))."""
-        plain = self.verification_seconds(1)
-        marginal = self.seconds_per_token() + self.verification_seconds(2) - plain
-        return self.first_token_acceptance() * plain > margin * marginal
+    def round_pays(self, margin: float = 1.0) -> bool:
+        """Whether a round with some proposal length is expected to beat the parent decoding alone by
+        ``margin`` (`rates.best_round_rate` against ``1 / (T_v(1) + o)``)."""
+        best = best_round_rate(self.first_token_acceptance(), self.acceptance_rate(), self.seconds_per_token(),
+                               self.verification_seconds, self.maximum)
+        return best > margin * self.plain_rate()
 
     def _proposing_cannot_pay(self) -> bool:
         """Whether the costs alone rule proposing out: even if every proposed token were accepted,
@@ -269,7 +272,7 @@ class CostAwareSchedule:
             return
         if self.backoff.probing:
             self.backoff.probed()
-            if not self.backoff.probing and self.first_token_pays(RESET_MARGIN):
+            if not self.backoff.probing and self.round_pays(RESET_MARGIN):
                 self.backoff.reset()
         rate = self.yield_tokens / max(self.yield_seconds, 1e-12)
         if self.yield_rounds >= SAFETY_ROUNDS and rate < SAFETY_MARGIN * self.plain_rate():

@@ -52,6 +52,26 @@ def best_length(
     return best
 
 
+def best_round_rate(first_acceptance: float, acceptance_rate: float, seconds_per_token: float,
+                    verification_seconds: Callable[[int], float], maximum: int) -> float:
+    """The most expected tokens per second a round can yield over proposal lengths 1 .. ``maximum``:
+    a round of l proposed tokens emits 1 + a_1 (1 + alpha + ... + alpha^(l - 1)) tokens on average
+    (the first accepted with probability ``first_acceptance`` a_1, each later one, after an accepted
+    one, with ``acceptance_rate`` alpha) for l s + T_v(l + 1) seconds.
+
+    Looking at every length, not at the first token alone, is what a step-shaped cost curve needs: where
+    T_v(2) - T_v(1) is a whole step (unpacked fp32 on many CPUs: T_v(2) = 2 T_v(1), then flat to 8
+    tokens), a one-token round never beats decoding alone, and a long one does.
+    """
+    best, tail, power = 0.0, 0.0, 1.0
+    for length in range(1, maximum + 1):
+        tail += power  # 1 + alpha + ... + alpha^(length - 1)
+        power *= acceptance_rate
+        cost = length * seconds_per_token + verification_seconds(length + 1)
+        best = max(best, (1.0 + first_acceptance * tail) / max(cost, 1e-12))
+    return best
+
+
 def acceptance_rate_estimate(accepted: float, rejections: float) -> float:
     """Per-token acceptance rate alpha from (decayed) counts, with one pseudo-observation each way.
 
