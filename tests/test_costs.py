@@ -230,6 +230,18 @@ def test_the_schedule_prices_each_width_as_measured_and_a_slowed_timing_by_a_lon
     assert slowed.seconds(32) == pytest.approx(0.167 + (0.167 - 0.122) / 8 * 16)
 
 
+def test_past_a_dense_curve_the_trend_comes_from_half_its_width_and_no_cost_is_negative():
+    """Past the last point of a curve measured at every width, the line runs from the last point at or
+    below half the last width, not from the last neighbour: a step between the last two widths (T(17)
+    above a flat T(1..16)) is one step, not a slope of a step per token. Below the first point the
+    line never goes under zero."""
+    from hf_polybasic.costs.curve import interpolate_cost
+
+    dense = {k: 1.0 for k in range(1, 17)} | {17: 1.9}
+    assert interpolate_cost(dense, 20) == pytest.approx(1.9 + 0.9 / 9 * 3)  # from k = 8, not from 16
+    assert interpolate_cost({1: 0.1, 2: 1.0}, 0) == 0.0
+
+
 def test_refreshes_from_call_after_call_converge_on_what_forwards_cost():
     """A benchmark's hundreds of calls refresh a stored curve again and again. With a noisy pair of
     measured points (T(2) above T(4)) each refresh used to scale the raw points by the ratio

@@ -26,6 +26,7 @@ from hf_polybasic.generation import make_generate
 from hf_polybasic.levels import early_exit
 from hf_polybasic.decoding.protocol import Proposal
 from hf_polybasic.schedule.backoff import MAX_BACKOFF_ROUNDS
+from hf_polybasic.schedule.rates import best_round_rate
 from hf_polybasic.schedule.batch_gate import BLIND_LENGTH, PLAIN_FIRST_ROUNDS
 from hf_polybasic.schedule import batch_gate, cost_aware
 from hf_polybasic.schedule import (
@@ -420,6 +421,23 @@ def test_a_round_pays_where_a_long_proposal_beats_decoding_alone_though_its_firs
     plain = 1 / _step_at_two(1)
     assert (1 + 1.0) / (0.0009 + _step_at_two(2)) < plain  # not even a sure first token pays alone
     assert not unsure.round_pays() and unsure.length() == 0
+
+
+def test_the_best_round_rate_takes_the_first_tokens_acceptance_for_the_first_token_only():
+    """A round's first draft is accepted at the first-token rate a_1, each later one at alpha after an
+    accepted one; ``round_pays(margin)`` asks for that margin over plain decoding."""
+    def costs(k):  # a flat curve
+        return 0.010
+
+    rates = [(1 + 0.5 * sum(0.9 ** i for i in range(n))) / (n * 0.001 + 0.010) for n in range(1, 9)]
+    assert best_round_rate(0.5, 0.9, 0.001, costs, 8) == pytest.approx(max(rates))
+    assert best_round_rate(0.0, 0.9, 0.001, costs, 8) == pytest.approx(1 / 0.011)
+    schedule = CostAwareSchedule(4, 16, per_token=True, verifier_costs=Curve(lambda k: 0.010), step_seconds=0.002)
+    best = best_round_rate(schedule.first_token_acceptance(), schedule.acceptance_rate(), 0.002,
+                           schedule.verification_seconds, 16)
+    ratio = best / schedule.plain_rate()
+    assert ratio > 1 and schedule.round_pays() and schedule.round_pays(ratio * 0.99)
+    assert not schedule.round_pays(ratio * 1.01)
 
 
 @pytest.mark.parametrize("noise, least_speedup", [(0.02, 1.5), (1.0, 0.9)], ids=["close drafter", "random drafter"])
