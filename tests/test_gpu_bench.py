@@ -235,5 +235,6 @@ def test_the_gpu_check_refuses_a_method_it_does_not_know(capsys):
     """Before anything runs (a GPU's minutes are not spent on a typo)."""
     gpu_check = _gpu_check()
     with pytest.raises(SystemExit):
-        gpu_check.main(["--device", "cpu", "--tiny", "--methods", "ours-default,ours-head"])
-    assert "--methods: unknown ours-head; choose from plain-static, hf-assisted-static, ours-default" in capsys.readouterr().err
+        gpu_check.main(["--device", "cpu", "--tiny", "--methods", "ours-default,ours-defualt"])
+    assert ("--methods: unknown ours-defualt; choose from plain-static, hf-assisted-static, ours-default, "
+            "ours-head") in capsys.readouterr().err

@@ -42,8 +42,10 @@ import argparse
 import json
 import os
 import statistics
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -53,7 +55,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: benchmarks/ (not installed)
 
 import hf_polybasic as hp  # noqa: E402
-from benchmarks.synthetic import build_target, model_config  # noqa: E402
+from benchmarks.synthetic import build_eagle3_head, build_target, model_config  # noqa: E402
 from hf_polybasic.cli.assisted import assisted_generate, assistant_settings  # noqa: E402
 from hf_polybasic.cli.machine import machine_info  # noqa: E402
 from hf_polybasic.compat import ASSISTED_DECODING_TAKES_STATIC_CACHE  # noqa: E402
@@ -62,7 +64,8 @@ from hf_polybasic.timing import synchronize  # noqa: E402
 
 CUDA_TESTS = ["tests/test_gpu_path.py", "tests/test_static.py", "tests/test_devices.py", "tests/test_int4.py"]
 # the compared methods, in the order they run in each repeat (`method_calls`; --methods picks some)
-METHODS = ("plain-static", "hf-assisted-static", "ours-default")
+METHODS = ("plain-static", "hf-assisted-static", "ours-default", "ours-head")
+HEAD_AGREEMENT = 0.8  # of the random EAGLE-3 head's greedy drafts with the target's (issue 42's row)
 BASELINE = "plain-static"  # every output is compared with its
 ASSISTED_TOKENS = 4  # K of transformers' assisted decoding: constant, as gpu-bench's hf-assisted-static
 FIRST_CALL_RESERVE = 90.0  # seconds of the budget a method's first calls (its compilation) need to start
@@ -131,8 +134,9 @@ def _syncs(device, call) -> tuple[object, int]:
     return out, sum("synchroniz" in str(w.message) for w in caught)
 
 
-def method_calls(target, draft, new_tokens: int) -> dict:
-    """``{name: (description, call(ids, tokens))}`` of every method the check can compare (`METHODS`)."""
+def method_calls(target, draft, new_tokens: int, head=None) -> dict:
+    """``{name: (description, call(ids, tokens))}`` of every method the check can compare (`METHODS`);
+    "ours-head" only with a ``head`` level (`build_eagle3_head`'s)."""
     def plain_static(ids, tokens):
         return target.generate(ids, do_sample=False, max_new_tokens=tokens, eos_token_id=None,
                                cache_implementation="static")
@@ -152,8 +156,15 @@ def method_calls(target, draft, new_tokens: int) -> dict:
                                "target's verification compiled on a GPU, transformers >= 5.24)", hf_assisted_static),
         "ours-default": ("hf_polybasic assistant_models=[exit], default config (compiled static runners)", ours),
     }
-    # --- where a trained-head row plugs in (issue 42: a random EAGLE-3 head of the target's shape from
-    # benchmarks.synthetic): add ("ours-head", (description, call)) here and its name to METHODS ---
+    if head is not None:
+        def ours_head(ids, tokens):
+            return target.generate(ids, custom_generate=hp.generate, assistant_models=[head], do_sample=False,
+                                   max_new_tokens=tokens, eos_token_id=None, return_dict_in_generate=True,
+                                   polybasic_config=hp.PolybasicConfig(compile=True)).sequences
+
+        calls["ours-head"] = (f"hf_polybasic assistant_models=[a random-weight EAGLE-3 head of the target's shape, "
+                              f"its greedy drafts the target's on {HEAD_AGREEMENT:.0%} of tokens "
+                              "(benchmarks.synthetic.build_eagle3_head)], default config", ours_head)
     return calls
 
 
@@ -205,7 +216,24 @@ def chain_check(shape: str, device: torch.device, new_tokens: int, lengths: list
 
     # each method's first calls (its compilation; transformers compiles per prompt length too), then tok/s
     # over the prompts, interleaved repeats, medians; every output compared with plain static generate's
-    calls = method_calls(target, draft, new_tokens)
+    head_directory = tempfile.mkdtemp(prefix="gpu-check-head-") if "ours-head" in methods else None
+    try:
+        head = None
+        if head_directory is not None:
+            head, construction = build_eagle3_head(target, head_directory, HEAD_AGREEMENT)
+            result["head"] = {"agreement": construction.agreement, "draft_vocab_size": construction.draft_vocab_size,
+                              "layers": list(construction.layers)}
+        return _compare(result, method_calls(target, draft, new_tokens, head), device, vocab, new_tokens, lengths,
+                        repeats, budget, methods)
+    finally:
+        if head_directory is not None:
+            shutil.rmtree(head_directory, ignore_errors=True)
+
+
+def _compare(result: dict, calls: dict, device: torch.device, vocab: int, new_tokens: int, lengths: list[int],
+             repeats: int, budget: Budget, methods: tuple[str, ...]) -> dict:
+    """Each method's first calls, then tok/s over the prompts (interleaved repeats, medians), every
+    output compared with `BASELINE`'s; into ``result``."""
     prompts = [_prompt(length, vocab, 10 + index, device) for index, length in enumerate(lengths)]
     result["methods"], result["skipped_methods"] = {}, {}
     for name in methods:
@@ -274,6 +302,10 @@ def markdown(report: dict) -> str:
         if chain.get("cut_short"):
             lines.append(f"\nCut short: {chain['cut_short']}")
         lines += [""] + [f"- `{name}`: {row['description']}" for name, row in chain.get("methods", {}).items()]
+        if chain.get("head"):
+            head = chain["head"]
+            lines.append(f"- the head: reads layers {head['layers']}, {head['draft_vocab_size']} draft ids, "
+                         f"agreement {head['agreement']}")
     for step, why in report.get("skipped", {}).items():
         lines.append(f"\nSkipped {step}: {why}")
     return "\n".join(lines) + "\n"
