@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from bisect import bisect_left, bisect_right
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -48,14 +49,20 @@ def interpolate_cost(points: Mapping[int, float], k: float) -> float:
     if not points:
         raise ValueError("interpolate_cost needs at least one measured (tokens, seconds) point")
     ks = sorted(points)
-    ys = unslowed([points[x] for x in ks])
+    return interpolate_prepared(ks, unslowed([points[x] for x in ks]), k)
+
+
+def interpolate_prepared(ks: Sequence[int], ys: Sequence[float], k: float) -> float:
+    """`interpolate_cost` over points already prepared: ``ks`` increasing (at least one), ``ys`` their
+    costs with slowed timings replaced (`unslowed`). For callers that price many k on one curve."""
     if len(ks) == 1:
         return float(ys[0])
     if k > ks[-1]:  # costs do not fall past the last point: a falling trend there is noise
-        lower = max((i for i, x in enumerate(ks[:-1]) if x <= ks[-1] / 2), default=len(ks) - 2)
+        lower = bisect_right(ks, ks[-1] / 2) - 1  # the last point at or below half the last width
+        lower = lower if lower >= 0 else len(ks) - 2
         k0, k1, y0, y1 = ks[lower], ks[-1], min(ys[lower], ys[-1]), ys[-1]
     else:
-        upper = min(max(next(i for i, x in enumerate(ks) if x >= k), 1), len(ks) - 1)
+        upper = min(max(bisect_left(ks, k), 1), len(ks) - 1)
         k0, k1, y0, y1 = ks[upper - 1], ks[upper], ys[upper - 1], ys[upper]
     return float(max(y0 + (y1 - y0) * (k - k0) / (k1 - k0), 0.0))
 

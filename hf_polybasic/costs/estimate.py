@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from .curve import CostCurve, interpolate_cost, unslowed
+from .curve import CostCurve, interpolate_prepared, unslowed
 
 # forwards feeding more tokens than this (prefills, long catch-ups) do not update an estimate
 ONLINE_MAX_TOKENS = 32
@@ -31,7 +31,8 @@ class CostEstimate:
         self._at = {k: [0.0, 0.0] for k in curve.points}
         self.observed = 0
         self.last_seconds: float | None = None
-        self._line: dict[int, float] | None = None  # the points `seconds` uses, until the next observation
+        # the points `seconds` prices on (tokens, costs), made from `snapshot` once per observation
+        self._prepared: tuple[list[int], list[float]] | None = None
 
     def _nearest_point(self, tokens: int) -> int:
         return min(self.curve.points, key=lambda k: abs(math.log(k) - math.log(tokens)))
@@ -43,7 +44,7 @@ class CostEstimate:
         self.last_seconds = seconds
         if rows != 1 or not 1 <= tokens <= ONLINE_MAX_TOKENS or seconds <= 0:
             return
-        self._line = None
+        self._prepared = None
         ratio = math.log(seconds / self.curve.seconds(tokens))
         for running in (self._whole, self._at[self._nearest_point(tokens)]):
             running[0] = ONLINE_DECAY * running[0] + ratio
@@ -74,9 +75,10 @@ class CostEstimate:
         on its least-squares line made plain decoding look 1.5x dearer than it is and a second token
         nearly free (in simulation the default then ran at 0.7x plain decoding where drafts were often
         rejected), and a width that costs more than a wider one must be seen to be avoided."""
-        if self._line is None:  # asked many times per drafted token: made once per observation
-            self._line = self.snapshot()
-        return max(interpolate_cost(self._line, k), 1e-9)
+        if self._prepared is None:  # asked many times per drafted token: made once per observation
+            points = self.snapshot()
+            self._prepared = (list(points), list(points.values()))
+        return max(interpolate_prepared(*self._prepared, k), 1e-9)
 
     def snapshot(self) -> dict[int, float]:
         """``{k: seconds}`` at the measured k as the schedule uses them (slowed timings replaced)."""

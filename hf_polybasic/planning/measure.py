@@ -271,8 +271,6 @@ def _measure_costs(models, prefix, sizes, repeats, propose_seconds, progress) ->
     return costs
 
 
-
-
 def slowed_timings(costs: Mapping[str, Mapping[int, float]]) -> list[tuple[str, int, int, float]]:
     """``(label, k, longer, ratio)`` for every measured T(k) over SLOWED times a longer forward's
     T(longer) of the same model (the longer forward with the least time)."""
@@ -287,8 +285,8 @@ def slowed_timings(costs: Mapping[str, Mapping[int, float]]) -> list[tuple[str, 
 
 
 def _warn_slowed_timings(costs, repeats: int) -> None:
-    """Say where a timing was slowed: the plan prices that forward at the longer one's cost (the
-    `hf_polybasic.costs.unslowed`), but the machine was busy while profiling."""
+    """Say where a timing was slowed: the plan prices that forward at the longer one's cost
+    (`hf_polybasic.costs.unslowed`), but the machine was busy while profiling."""
     slowed = slowed_timings(costs)
     if slowed:
         listed = "; ".join(f"{label}: T({k}) {ratio:.1f}x T({longer})" for label, k, longer, ratio in slowed)
