@@ -161,6 +161,33 @@ def test_the_other_tokenizer_methods_run_on_the_tiny_set():
     assert sampled.shape == expected.shape
 
 
+@pytest.mark.parametrize("name", ["hf-assisted", "hf-assisted-smol"])
+def test_transformers_rounds_are_counted_on_its_candidate_generator(name):
+    """transformers' assisted generation (same tokenizer, and UAD through text) counted round by round:
+    one verification per target forward after the prefill, every emitted token an accepted draft or the
+    target's own, and the model left as it was (no hook behind)."""
+    from hf_polybasic.cli.model_sets import build_model_set
+
+    from benchmarks.bench.hf_rounds import counting_rounds
+
+    model_set = build_model_set("tiny", bench_methods.needed_pool([name]))
+    method = bench_methods.RECIPES[name].build(model_set, bench_methods.MethodOptions())
+    target = model_set.target
+    inputs = {"input_ids": torch.tensor([[10, 20, 30, 40, 50, 60]]), "attention_mask": torch.ones(1, 6, dtype=torch.long)}
+    forwards = []
+    hook = target.register_forward_hook(lambda *args: forwards.append(1))
+    try:
+        with counting_rounds(target) as counts:
+            out = method.run(target, inputs, {"do_sample": False, "max_new_tokens": 12, "eos_token_id": None})
+    finally:
+        hook.remove()
+    new = out.shape[1] - 6
+    assert counts["verifications"] == len(forwards) >= 2
+    assert counts["drafted"] >= counts["verifications"] and 0 <= counts["accepted"] <= counts["drafted"]
+    assert sum(counts["acceptance_lengths"]) == counts["accepted"] + counts["verifications"] >= new
+    assert "_get_candidate_generator" not in vars(target)
+
+
 def test_rss_sampler_catches_a_peak_that_is_gone_before_the_block_ends():
     import time
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
+from contextlib import nullcontext
 
 import torch
 
@@ -12,6 +13,7 @@ from hf_polybasic.cli.harness import timed_call
 from hf_polybasic.cli.model_sets import ModelSet
 from hf_polybasic.cli.prompts import encode, messages_for
 
+from .hf_rounds import counting_rounds
 from .methods import Method
 from .report import first_difference
 from .settings import DECODINGS, BenchSettings
@@ -54,12 +56,14 @@ def generate_once(
     prompt_length = inputs["input_ids"].shape[1]
     if seed is not None:
         torch.manual_seed(seed)
-    timing = timed_call(lambda: method.run(model_set.target, inputs, options), target=model_set.target)
+    with counting_rounds(model_set.target) if method.kind == "hf-assisted" else nullcontext() as hf_rounds:
+        timing = timed_call(lambda: method.run(model_set.target, inputs, options), target=model_set.target)
     sequences, seconds = timing.output, timing.seconds
     if not isinstance(sequences, torch.Tensor):  # a ModelOutput
         sequences = sequences.sequences
     new = sequences[0, prompt_length:].tolist()
     stats = method.stats(model_set.target)
+    levels = _level_rows(stats, method.level_labels)
     return {
         "prompt_tokens": prompt_length,
         "prompt_cut": cut,
@@ -73,8 +77,18 @@ def generate_once(
         "rss_before_mib": timing.rss_before_mib,
         "rss_after_mib": timing.rss_after_mib,
         "rss_peak_mib": timing.rss_peak_mib,
-        "levels": _level_rows(stats, method.level_labels),
+        "levels": levels,
+        "rounds": _rounds(levels, hf_rounds),
     }
+
+
+def _rounds(levels: list[dict] | None, hf_rounds: dict | None) -> dict | None:
+    """The target's rounds of a two-model call, ours (its level's counts) or transformers' (counted by
+    `counting_rounds`): verifications, tokens drafted and accepted in all; None for other calls."""
+    source = levels[0] if levels else hf_rounds
+    if not source or source.get("verifications") is None:
+        return None
+    return {key: source[key] for key in ("verifications", "drafted", "accepted")}
 
 
 def _say(message: str) -> None:

@@ -117,6 +117,18 @@ def _levels(records: Sequence[dict]) -> list[dict] | None:
     return out
 
 
+def _rounds(records: Sequence[dict]) -> dict | None:
+    """The target's rounds pooled over two-model calls (`calls._rounds`): per verification, tokens
+    drafted and accepted; rounds with nothing drafted (a paused level) counted apart."""
+    rows = [r["rounds"] for r in records if r.get("rounds")]
+    verifications = sum(row["verifications"] for row in rows)
+    if not verifications:
+        return None
+    drafted, accepted = sum(row["drafted"] for row in rows), sum(row["accepted"] for row in rows)
+    return {"verifications": verifications, "drafted_per_round": drafted / verifications,
+            "accepted_per_round": accepted / verifications, "accepted_share": accepted / drafted if drafted else None}
+
+
 def mismatches_of(records: Sequence[dict], methods, baseline: str) -> list[dict]:
     """Greedy outputs of lossless methods that differ from plain generate's (same question, turn and
     repeat), with the first differing new-token position."""
@@ -198,6 +210,7 @@ def summarise(records: Sequence[dict], methods, questions: Sequence[Question]) -
                     "new_tokens_mean": statistics.fmean(r["new_tokens"] for r in rows),
                     "tokens_per_target_forward": sum(r["new_tokens"] for r in rows) / forwards if forwards else None,
                     "levels": _levels(rows),
+                    "rounds": _rounds(rows),
                     "rss_peak_mib_max": max(peaks) if peaks else None,
                 }
             )
@@ -255,6 +268,23 @@ def markdown(summary: dict, run_info: dict, mismatches: Sequence[dict], methods)
         "the mean acceptance length τ).",
         lambda c: _fmt(c["tokens_per_target_forward"], ".2f"),
     )
+
+    counted = [m for m in methods if any(table.get(g, {}).get(m.name, {}).get("rounds") for g in columns)]
+    if counted:
+        lines.extend(["## Drafts per target round", "",
+                      "Per verification of the target, pooled over the group: tokens drafted, tokens accepted (and "
+                      "their share of the drafted ones); ours from the target level's statistics, transformers' "
+                      "counted on its candidate generator (`benchmarks/bench/hf_rounds.py`). v = verifications.", "",
+                      "| method | " + " | ".join(columns) + " |", "|---|" + "---|" * len(columns)])
+        for method in counted:
+            cells = []
+            for group in columns:
+                rounds = (table.get(group, {}).get(method.name) or {}).get("rounds")
+                cells.append("–" if rounds is None else
+                             f"{rounds['drafted_per_round']:.2f} drafted, {rounds['accepted_per_round']:.2f} accepted "
+                             f"({_fmt(rounds['accepted_share'], '.2f')}) (v={rounds['verifications']})")
+            lines.append(f"| {method.name} | " + " | ".join(cells) + " |")
+        lines.append("")
 
     ours = [m for m in methods if m.polybasic]
     if ours:
