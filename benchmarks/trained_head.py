@@ -6,7 +6,9 @@ benchmark (`benchmarks.bench`), beside the 0.5B int8 drafter and in the paper's 
    target answers (self-distillation), then the sources of standard-library modules, up to
    ``--max-tokens`` tokens in all.
 2. **Training**: ``train_head`` with the options below; the head goes to ``OUTPUT/head`` (its
-   ``training/`` folder makes a rerun of the same command resume instead of starting over).
+   ``training/`` folder makes a rerun of the same command resume instead of starting over, and train
+   on for another ``--max-minutes`` where the run was stopped by them), what it did to
+   ``OUTPUT/training.json``. ``--measure-only`` skips this step and measures the head already there.
 3. **Measurement**: ``benchmarks.bench`` on ``--question-set`` (default ``unseen``: code, math word
    problems, prose, none of it trained on): plain ``generate``; ours with the 0.5B int8 drafter
    (``ours-draft``, ``ours-draft-auto``); ours with the head alone (``ours-head``: K constant,
@@ -69,6 +71,8 @@ def add_trained_head_parser(commands) -> argparse.ArgumentParser:
     group.add_argument("--pack-target", action="store_true", help="oneDNN-packed linear layers in the target")
     group.add_argument("--copy", choices=["int4", "int8"], default="int4",
                        help="the quantized copy of the target in the paper's shape (qwen; tiny: its noisy copy)")
+    parser.add_argument("--measure-only", action="store_true",
+                        help="measure the head a run already trained in --output (no training, not even a resumed one)")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     parser.add_argument("--cache-dir", default=None, help="model cache (see `hf-polybasic models`)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -98,7 +102,13 @@ def run_trained_head(args: argparse.Namespace) -> Path:
         torch.set_num_threads(args.threads)
     out = Path(args.output or f"bench-results/trained-head-{args.models}")
     command = command_line()
-    trained = train(args, out)
+    if args.measure_only:
+        if not (out / "training.json").is_file():
+            raise FileNotFoundError(f"--measure-only: no trained head in {out} (no training.json); train one first "
+                                    "with the same command without --measure-only")
+        trained = json.loads((out / "training.json").read_text())
+    else:
+        trained = train(args, out)
     bench = measure(args, out, command)
     summary = {"command": command, "machine": machine_info(), "training": trained,
                "bench": {"output": str(out / "bench"), "summary": bench.summary}}
@@ -138,7 +148,7 @@ def train(args: argparse.Namespace, out: Path) -> dict:
     del model
     gc.collect()
     last = result.losses[-20:]
-    return {"head": str(result.directory), "steps": result.steps, "total_steps": result.total_steps,
+    trained = {"head": str(result.directory), "steps": result.steps, "total_steps": result.total_steps,
             "windows": result.windows, "seq_len": args.seq_len, "answered_prompts": result.answers,
             "draft_vocab_size": result.draft_vocab_size, "feature_layers": list(result.feature_layers),
             "first_loss": round(result.losses[0], 4) if result.losses else None,
@@ -146,6 +156,8 @@ def train(args: argparse.Namespace, out: Path) -> dict:
             "resumed_from": result.resumed_from, "seconds": round(result.seconds, 1),
             "phases_seconds": {key: round(value, 1) for key, value in result.timings.items()},
             "train_dtype": args.train_dtype}
+    (out / "training.json").write_text(json.dumps(trained, indent=2) + "\n")
+    return trained
 
 
 def measure(args: argparse.Namespace, out: Path, command: str):

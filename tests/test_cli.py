@@ -70,6 +70,16 @@ def test_trained_head_benchmark_on_tiny_models(capsys, tmp_path):
     for method in ("ours-draft-auto", "ours-head", "ours-head-auto", "ours-copy-head-auto"):
         assert f"| {method} |" in report
     assert "token-for-token identical to plain generate's" in report and "| ours-head" in capsys.readouterr().out
+    # measured again without training: the same head, the training summary kept; refused where none was trained
+    head = (tmp_path / "head" / "model.safetensors").read_bytes()
+    assert benchmarks.cli.main(["trained-head", "--models", "tiny", "--output", str(tmp_path), "--measure-only",
+                                "--steps", "5", "--groups", "code", "--questions-per-group", "1",
+                                "--max-new-tokens", "8", "--threads", "1", "--no-progress"]) == 0
+    assert (tmp_path / "head" / "model.safetensors").read_bytes() == head
+    assert json.loads((tmp_path / "trained_head.json").read_text())["training"] == summary["training"]
+    assert benchmarks.cli.main(["trained-head", "--models", "tiny", "--output", str(tmp_path / "none"),
+                                "--measure-only", "--no-progress"]) == 2
+    assert "no trained head" in capsys.readouterr().err
 
 
 def test_the_installed_command_line_says_where_the_benchmarks_run(capsys):
