@@ -111,6 +111,7 @@ def run_trained_head(args: argparse.Namespace) -> Path:
         trained = train(args, out)
     bench = measure(args, out, command)
     summary = {"command": command, "machine": machine_info(), "training": trained,
+               "num_draft_tokens": args.num_draft_tokens,
                "bench": {"output": str(out / "bench"), "summary": bench.summary}}
     (out / "trained_head.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
     report = out / "report.md"
@@ -209,6 +210,45 @@ def _report(summary: dict, out: Path) -> str:
         f"{training['first_loss']} at the first step, {training['last_loss']} over the last 20"
         f"{' (stopped by --max-minutes)' if training['stopped_early'] else ''}",
         f"- time: {training['seconds']} s ({phases})", "",
+        *_drafting_lines(out / "bench" / "results.jsonl", summary["num_draft_tokens"]),
         (out / "bench" / "results.md").read_text(),
     ]
     return "\n".join(lines) + "\n"
+
+
+def position_acceptance(records: list[dict], method: str, positions: int) -> dict[str, list[float]]:
+    """Per group, for j = 1 .. ``positions``: the share of the target's verifications of ``method`` in
+    which at least j drafts were accepted (the j-th draft of a round, and every one before it)."""
+    lengths: dict[str, list[int]] = {}
+    for record in records:
+        if record["method"] == method and record.get("levels"):
+            lengths.setdefault(record["group"], []).extend(record["levels"][0]["acceptance_lengths"])
+    return {group: [sum(length > j for length in values) / len(values) for j in range(1, positions + 1)]
+            for group, values in lengths.items() if values}
+
+
+def seconds_per_forward(records: list[dict], method: str) -> float | None:
+    """The drafting level's (the bottom one's) own seconds per forward pass, pooled over ``method``'s calls."""
+    levels = [record["levels"][-1] for record in records if record["method"] == method and record.get("levels")]
+    forwards = sum(level["forward_passes"] for level in levels)
+    return sum(level["seconds"] for level in levels) / forwards if forwards else None
+
+
+def _drafting_lines(results: Path, positions: int) -> list[str]:
+    """The head against the drafter, draft by draft (the constant-K methods, ``positions`` = K): acceptance
+    per position and what one forward of the drafting level costs."""
+    records = [json.loads(line) for line in results.read_text().splitlines() if line.strip()]
+    methods = [m for m in ("ours-draft", "ours-head") if any(r["method"] == m for r in records)]
+    if not methods:
+        return []
+    lines = ["## Draft by draft (K constant)", "",
+             "Share of the target's verifications in which at least j drafts were accepted, per group; and the "
+             "drafting level's own seconds per forward pass (its forwards, processing and draws).", "",
+             "| method | group | " + " | ".join(f"j={j}" for j in range(1, positions + 1)) + " | s per forward |",
+             "|---|---|" + "---|" * (positions + 1)]
+    for method in methods:
+        cost = seconds_per_forward(records, method)
+        for group, shares in position_acceptance(records, method, positions).items():
+            lines.append(f"| {method} | {group} | " + " | ".join(f"{share:.2f}" for share in shares)
+                         + f" | {'–' if cost is None else f'{cost * 1000:.1f} ms'} |")
+    return [*lines, ""]

@@ -70,6 +70,7 @@ def test_trained_head_benchmark_on_tiny_models(capsys, tmp_path):
     for method in ("ours-draft-auto", "ours-head", "ours-head-auto", "ours-copy-head-auto"):
         assert f"| {method} |" in report
     assert "token-for-token identical to plain generate's" in report and "| ours-head" in capsys.readouterr().out
+    assert "## Draft by draft (K constant)" in report and "| ours-head | code |" in report
     # measured again without training: the same head, the training summary kept; refused where none was trained
     head = (tmp_path / "head" / "model.safetensors").read_bytes()
     assert benchmarks.cli.main(["trained-head", "--models", "tiny", "--output", str(tmp_path), "--measure-only",
@@ -80,6 +81,21 @@ def test_trained_head_benchmark_on_tiny_models(capsys, tmp_path):
     assert benchmarks.cli.main(["trained-head", "--models", "tiny", "--output", str(tmp_path / "none"),
                                 "--measure-only", "--no-progress"]) == 2
     assert "no trained head" in capsys.readouterr().err
+
+
+def test_trained_head_report_counts_acceptance_per_position():
+    from benchmarks.trained_head import position_acceptance, seconds_per_forward
+
+    def record(method, group, lengths, seconds=0.0, forwards=0):
+        return {"method": method, "group": group,
+                "levels": [{"acceptance_lengths": lengths}, {"seconds": seconds, "forward_passes": forwards}]}
+
+    records = [record("ours-head", "code", [1, 3, 5], 0.3, 4), record("ours-head", "code", [2], 0.1, 4),
+               record("ours-head", "prose", [1, 1]), record("ours-draft", "code", [5, 5], 9.0, 1),
+               {"method": "plain", "group": "code", "levels": None}]
+    assert position_acceptance(records, "ours-head", 4) == {"code": [0.75, 0.5, 0.25, 0.25], "prose": [0.0] * 4}
+    assert seconds_per_forward(records, "ours-head") == 0.4 / 8
+    assert seconds_per_forward(records, "plain") is None
 
 
 def test_the_installed_command_line_says_where_the_benchmarks_run(capsys):
