@@ -125,26 +125,39 @@ def _check_special_tokens(tokenizer, where: str, config) -> None:
             )
 
 
-def warn_if_levels_disagree(stats, model_levels: list[bool]) -> bool:
-    """Warn when a verifying level accepted almost none of the drafts of the model below it in one
+# why a level may agree this little with the one above it, by its kind (`warn_if_levels_disagree`)
+DISAGREEMENT_HINTS = {
+    "model": "Models that share a tokenizer rarely agree this little: check that every model of the chain uses "
+             "the target's tokenizer.",
+    "translated": "It drafts through a tokenizer of its own, and on this text its tokens rarely line up with the "
+                  "target's: try route='text' for it, or a drafter with the target's tokenizer.",
+    "head": "A head agrees this little when it was trained for another model or on other text: check draft_head's "
+            "verifier= and what the head was trained on.",
+}
+
+
+def warn_if_levels_disagree(stats, kinds: list[str]) -> bool:
+    """Warn when a verifying level accepted almost none of the drafts of the level below it in one
     row's decoding (rows of a batch may repeat one prompt, so their sum proves nothing): at least
     `MIN_DRAFTS` drafts, or a few drafts after which the cost-aware schedule sat the level out for
     most rounds. True if it warned.
 
-    ``model_levels[i]`` tells whether level i (target first) is a model (a `Drafter` proposes only
-    where it finds something to copy, so its low agreement is no sign of a tokenizer mismatch).
+    ``kinds[i]`` is what level i (target first) is: "model", "translated" (another tokenizer's model),
+    "head" (a draft head) or "drafter" (a `Drafter` proposes only where it finds something to copy,
+    so its low agreement is no sign of anything wrong: never warned about); the warning's hint is the
+    kind's (`DISAGREEMENT_HINTS`).
     """
     for index, level in enumerate(stats.levels[:-1]):
         below = stats.levels[index + 1]
-        if not model_levels[index + 1] or level.drafted < MIN_PROBE_DRAFTS:
+        hint = DISAGREEMENT_HINTS.get(kinds[index + 1])
+        if hint is None or level.drafted < MIN_PROBE_DRAFTS:
             continue
         sat_out = below.paused_rounds >= max(level.verifications, 1) / 2
         if (level.drafted >= MIN_DRAFTS or sat_out) and level.accepted < MIN_AGREEMENT * level.drafted:
             pause = f", then let {level.name} decode alone for {below.paused_rounds} rounds" if sat_out else ""
             warn(
                 f"{level.name} accepted {level.accepted} of {level.drafted} drafts from {below.name} "
-                f"({level.accepted / level.drafted:.1%}){pause}. Models that share a tokenizer rarely agree this little: "
-                "check that every model of the chain uses the target's tokenizer. Such a chain is no faster than "
-                "plain generate.")
+                f"({level.accepted / level.drafted:.1%}){pause}. {hint} Such a chain is no faster than plain "
+                "generate.")
             return True
     return False

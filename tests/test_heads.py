@@ -179,11 +179,13 @@ def test_a_head_must_sit_right_below_a_model(head_chain):
 
 
 def test_a_random_head_drafts_and_stays_exact(shared_models):
-    """Without training (its drafts mostly rejected) the output is still the target's."""
+    """Without training (its drafts mostly rejected) the output is still the target's, and the call warns."""
     target = shared_models.target("qwen2", seed=4)
     head = HeadModel(make_head(target), "random")
     ids = prompt(5, seed=1)
-    out = _generate(target, ids, torch.ones_like(ids), [head], do_sample=False, max_new_tokens=16)
+    # the target accepts almost none, and the warning's hint is a head's, not a tokenizer mix-up's
+    with pytest.warns(UserWarning, match=r"accepted .* drafts from M2 .*trained for another model"):
+        out = _generate(target, ids, torch.ones_like(ids), [head], do_sample=False, max_new_tokens=16)
     assert torch.equal(out.sequences, target.generate(ids, do_sample=False, max_new_tokens=16, pad_token_id=PAD))
     assert out.polybasic_stats.levels[1].proposed > 0
 

@@ -242,3 +242,25 @@ def test_models_that_never_agree_are_reported_not_silently_slow():
 # --- 5. pad fallback ----------------------------------------------------------------------------------
 def test_pad_falls_back_to_the_first_eos_id_as_in_transformers():
     assert pad_token_id(GenerationConfig(eos_token_id=[7, 2])) == 7
+
+
+@pytest.mark.parametrize("kind, hint", [("model", "share a tokenizer"), ("translated", "tokenizer of its own"),
+                                        ("head", "trained for another model"), ("drafter", None)])
+def test_a_level_that_rarely_agrees_is_warned_about_with_its_kinds_hint(kind, hint):
+    """A level the one above accepted almost none of: the warning's hint fits what the level is (a
+    translated level or a head is no tokenizer mix-up); a Drafter, which proposes only where it finds
+    something to copy, is never warned about."""
+    import warnings
+
+    from hf_polybasic.stats import LevelStats, PolybasicStats
+    from hf_polybasic.vocabulary import warn_if_levels_disagree
+
+    stats = PolybasicStats(levels=[LevelStats("M1 target", "target", drafted=40, accepted=0, verifications=10),
+                                   LevelStats("M2 below", "drafter")])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        warned = warn_if_levels_disagree(stats, ["model", kind])
+    assert warned == (hint is not None)
+    assert [hint in str(w.message) for w in caught] == ([True] if hint else [])
+    stats.levels[0].accepted = 1  # 2.5%: above the bar
+    assert not warn_if_levels_disagree(stats, ["model", kind])

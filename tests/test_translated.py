@@ -322,3 +322,17 @@ def test_refusals_name_translated(models, tokenizers):
         enabled = hp.enable(copy.deepcopy(target))
         enabled.generate(ids, max_new_tokens=3, assistant_tokenizer=tokenizers["metaspace"],
                          tokenizer=tokenizers["target"])
+
+
+def test_a_translated_level_that_rarely_agrees_gets_its_own_hint(models, tokenizers):
+    """A translated level the target accepts almost nothing of (a random model): the warning says its tokens
+    rarely line up with the target's, not that the chain mixes tokenizers up."""
+    target = models[0]
+    stranger = make_target("llama", seed=41, vocab=len(tokenizers["metaspace"]))
+    level = hp.levels.translated(stranger, tokenizers["metaspace"], tokenizers["target"])
+    options = dict(do_sample=False, max_new_tokens=40, eos_token_id=None)
+    ids = torch.tensor([tokenizers["target"].encode(CORPUS[0])[:8]])
+    with pytest.warns(UserWarning, match=r"accepted .* drafts from M2 translated .*tokenizer of its own"):
+        out = target.generate(ids, custom_generate=hp.generate, assistant_models=[level],
+                              polybasic_config=hp.PolybasicConfig(schedule="constant"), **options)
+    assert torch.equal(out, target.generate(ids, **options))

@@ -37,9 +37,10 @@ from ..costs import CostCurves
 from ..drafters import Drafter
 from ..runners.probe import check_cache, rows_problem
 from ..processing import DecodingRules, processors_for_row
-from ..translation.level import model_of
+from ..translation.level import Translated, model_of
 from ..request import Request
 from ..schedule import BatchGate
+from ..runners.head import HeadModel
 from ..runners.static import StaticRunner, capacity_for
 from ..stats import PolybasicStats
 from ..timing import DEFAULT_CLOCK, Clock, timed
@@ -184,6 +185,15 @@ def row_by_row_reason(target: torch.nn.Module, assistants: list, use_cache: bool
 _last_row_by_row_reason: str | None = None  # warned again whenever the reason changes
 
 
+def _level_kind(level) -> str:
+    """What a level of ``assistant_models`` is, for `warn_if_levels_disagree`'s hint."""
+    if isinstance(level, Drafter):
+        return "drafter"
+    if isinstance(level, Translated):
+        return "translated"
+    return "head" if isinstance(model_of(level), HeadModel) else "model"
+
+
 def _warn_row_by_row(reason: str) -> None:
     global _last_row_by_row_reason
     if reason == _last_row_by_row_reason:
@@ -220,10 +230,10 @@ def decode_rows(
             groups = [[row] for row in rows]
             _warn_row_by_row(reason)
     results, total = {}, None
-    is_model = [True] + [not isinstance(m, Drafter) for m in request.assistants]
+    kinds = ["model"] + [_level_kind(level) for level in request.assistants]
     for group in groups:
         stats = _decode_group(target, request, processors, stopping_criteria, parts, clock, costs, group, results)
-        warn_if_levels_disagree(stats, is_model)
+        warn_if_levels_disagree(stats, kinds)
         if total is None:
             total = stats
         else:
