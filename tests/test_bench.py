@@ -243,6 +243,12 @@ def test_every_call_is_recorded(quick_run):
     ours = [r for r in records if r["method"].startswith("ours-")]
     assert ours and all(r["levels"] and r["levels"][0]["role"] == "target" for r in ours)
     assert all(r["levels"] is None for r in records if not r["method"].startswith("ours-"))
+    # the target's rounds: ours as its level counted them, transformers' as its candidate generator ran them
+    assert all(r["rounds"] == {key: r["levels"][0][key] for key in ("verifications", "drafted", "accepted")}
+               for r in ours)
+    assisted = [r for r in records if r["method"].startswith("hf-assisted")]
+    assert assisted and all(r["rounds"]["verifications"] == r["target_forwards"] for r in assisted)
+    assert all(r["rounds"] is None for r in records if r["method"] in ("plain", "spy", "broken"))
     plain = [r for r in records if r["method"] == "plain"]
     assert all(r["target_forwards"] == MAX_NEW for r in plain)
     run = json.loads((result.output_dir / "run.json").read_text())
@@ -258,6 +264,7 @@ def test_table_and_plots_are_written(quick_run):
         assert group in table
     assert "(n=1)" in table and "(n=7)" in table  # the sample size is next to every number
     assert "Acceptance length per level" in table
+    assert "## Drafts per target round" in table and "| hf-assisted | " in table.split("## Drafts per target round")[1]
     summary = json.loads((result.output_dir / "summary.json").read_text())
     assert summary["table"]["overall"]["plain"]["speedup"] == pytest.approx(1.0)
     levels = summary["table"]["overall"]["ours-mid-draft"]["levels"]

@@ -264,3 +264,19 @@ def test_a_level_that_rarely_agrees_is_warned_about_with_its_kinds_hint(kind, hi
     assert [hint in str(w.message) for w in caught] == ([True] if hint else [])
     stats.levels[0].accepted = 1  # 2.5%: above the bar
     assert not warn_if_levels_disagree(stats, ["model", kind])
+
+
+
+def test_each_level_is_warned_about_as_what_it_is(shared_models):
+    """The kinds `warn_if_levels_disagree` is given: an n-gram lookup (never warned about: it proposes only
+    where it finds something to copy), another tokenizer's model, a head, a plain model."""
+    from hf_polybasic.decoding.loop import _level_kind
+    from helpers import make_head
+    from hf_polybasic.runners.head import HeadModel
+
+    target = shared_models.target("qwen2", seed=4)
+    tokenizer = make_tokenizer()
+    assert _level_kind(hp.drafters.PromptLookup()) == "drafter"
+    assert _level_kind(hp.levels.translated(noisy_copy(target, 0.1, seed=1), tokenizer, tokenizer)) == "translated"
+    assert _level_kind(HeadModel(make_head(target), "random")) == "head"
+    assert _level_kind(target) == "model"
