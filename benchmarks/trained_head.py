@@ -237,7 +237,9 @@ def seconds_per_forward(records: list[dict], method: str) -> float | None:
 def _drafting_lines(results: Path, positions: int) -> list[str]:
     """The head against the drafter, draft by draft (the constant-K methods, ``positions`` = K): acceptance
     per position and what one forward of the drafting level costs."""
-    records = [json.loads(line) for line in results.read_text().splitlines() if line.strip()]
+    from .bench.records import read_records
+
+    records = read_records(results)
     methods = [m for m in ("ours-draft", "ours-head") if any(r["method"] == m for r in records)]
     if not methods:
         return []

@@ -184,7 +184,7 @@ def test_transformers_rounds_are_counted_on_its_candidate_generator(name):
     new = out.shape[1] - 6
     assert counts["verifications"] == len(forwards) >= 2
     assert counts["drafted"] >= counts["verifications"] and 0 <= counts["accepted"] <= counts["drafted"]
-    assert sum(counts["acceptance_lengths"]) == counts["accepted"] + counts["verifications"] >= new
+    assert counts["accepted"] + counts["verifications"] >= new  # each round: its accepted drafts, then the target's
     assert "_get_candidate_generator" not in vars(target)
 
 

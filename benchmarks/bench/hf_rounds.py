@@ -16,21 +16,16 @@ from contextlib import contextmanager
 import torch
 
 
-def _count(value) -> int:
-    return int(value.item() if isinstance(value, torch.Tensor) and value.numel() == 1 else value)
-
-
 @contextmanager
 def counting_rounds(target: torch.nn.Module):
     """Count the rounds of the assisted ``generate`` called on ``target`` inside the block: yields a
-    dict that holds, after the call, ``verifications``, ``drafted``, ``accepted`` (sums over rounds)
-    and ``acceptance_lengths`` (accepted + 1 per round); ``verifications`` stays None where the hook is
-    missing (another transformers release)."""
-    counts = {"verifications": None, "drafted": 0, "accepted": 0, "acceptance_lengths": []}
+    dict that holds, after the call, ``verifications``, ``drafted`` and ``accepted`` (sums over rounds);
+    all None where the hook is missing (another transformers release)."""
     make = getattr(type(target), "_get_candidate_generator", None)
     if make is None:
-        yield counts
+        yield {"verifications": None, "drafted": None, "accepted": None}
         return
+    counts = {"verifications": 0, "drafted": 0, "accepted": 0}
     pending: list[int] = []  # drafted tokens of the round whose verification is still to come
 
     def wrapped_make(*args, **kwargs):
@@ -43,11 +38,9 @@ def counting_rounds(target: torch.nn.Module):
             return candidates
 
         def counted_update(input_ids, scores, num_matches, *rest, **more):
-            accepted = _count(num_matches)
-            counts["verifications"] = (counts["verifications"] or 0) + 1
+            counts["verifications"] += 1
             counts["drafted"] += pending.pop() if pending else 0
-            counts["accepted"] += accepted
-            counts["acceptance_lengths"].append(accepted + 1)
+            counts["accepted"] += int(num_matches)  # an int or a 0-d tensor
             return update(input_ids, scores, num_matches, *rest, **more)
 
         generator.get_candidates, generator.update_candidate_strategy = counted_candidates, counted_update

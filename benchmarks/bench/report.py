@@ -119,7 +119,7 @@ def _levels(records: Sequence[dict]) -> list[dict] | None:
 
 def _rounds(records: Sequence[dict]) -> dict | None:
     """The target's rounds pooled over two-model calls (`calls._rounds`): per verification, tokens
-    drafted and accepted; rounds with nothing drafted (a paused level) counted apart."""
+    drafted and accepted; rounds with nothing drafted (a paused level) count as verifications too."""
     rows = [r["rounds"] for r in records if r.get("rounds")]
     verifications = sum(row["verifications"] for row in rows)
     if not verifications:
