@@ -175,6 +175,49 @@ def test_a_call_on_static_caches_keeps_the_translated_level_dynamic(models, toke
     assert [level.runner for level in out.polybasic_stats.levels] == ["static", "dynamic"]
 
 
+class _ScriptedModel:
+    """An inner runner whose greedy own tokens are ``script``, one per forward (a row's lengths as asked)."""
+
+    model, role, device, rows, forward_passes = None, "drafter", torch.device("cpu"), 1, 0
+
+    def __init__(self, script: list[int], width: int):
+        self.script, self.width, self.lengths = script, width, [0]
+
+    def logits_rows(self, asked):
+        (row, (own, _)), = asked.items()
+        self.lengths[row] = int(own.shape[0])
+        logits = torch.zeros(1, self.width)
+        logits[0, self.script[self.forward_passes]] = 1.0
+        self.forward_passes += 1
+        return {row: logits}
+
+    def rollback_rows(self, lengths):
+        for row, length in lengths.items():
+            self.lengths[row] = length
+
+
+@pytest.mark.parametrize("script", [["(", ")", "Ġthe"], ["_", "__", "Ġthe"]])
+def test_the_text_route_hands_up_every_target_token_and_stops_where_text_retokenizes_one(tokenizers, script):
+    """A lookahead's last target token is a draft at once (one own forward for one draft, as UAD); where
+    the text that follows re-tokenizes a draft already handed up ('(' then ')' spell '()'; '_' then '__'
+    spell '__', '_'), the level drafts nothing more in that round, neither growing on nor drafting from
+    text the row does not hold."""
+    from hf_polybasic.runners.text_route import TextRouteRunner
+
+    target, own = tokenizers["target"], tokenizers["byte-level"]
+    shared = shared_vocabulary(own, target)
+    first_target = shared.encode_target(script[0])
+    assert len(first_target) == 1 and shared.encode_target(script[0] + script[1])[0] != first_target[0]
+    inner = _ScriptedModel(own.convert_tokens_to_ids(script), len(own))
+    runner = TextRouteRunner(inner, shared, len(target))
+    prompt = torch.tensor(target("x = f")["input_ids"])
+    first = runner.logits_rows({0: (prompt, 1)})[0]
+    assert first.argmax(-1).tolist() == first_target and inner.forward_passes == 1
+    following = torch.cat([prompt, first.argmax(-1)])
+    assert torch.isinf(runner.logits_rows({0: (following, 1)})[0]).all()
+    assert inner.forward_passes == 2
+
+
 # --- sampling: the target's distribution --------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def distribution_pair(shared_models, distribution_models):

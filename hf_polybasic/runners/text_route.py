@@ -3,8 +3,10 @@ its own, re-encoded by the target's tokenizer, handed up as point masses.
 
 At a row's position the level runs its own model greedily over its whole vocabulary (the
 *lookahead*: own tokens past its context, kept in its cache), and encodes the text they spell with
-the target's tokenizer; every target token of it but the last (which the text that follows may
-still change) is a draft. `TextRouteRunner.logits_rows` hands the chain's drafter one draft per
+the target's tokenizer; every target token of it is a draft, the last one too (as UAD hands up all:
+holding it back until more text confirms it cost a forward of the level's model per round). Where
+the text that follows re-tokenizes a draft already handed up (a word that goes on), the lookahead no
+longer spells the row's sequence and the level drafts nothing more in that round. `TextRouteRunner.logits_rows` hands the chain's drafter one draft per
 position as logits that are 0 at that id and -inf elsewhere: the drafter's processors keep it or
 rule it out (a draft ruled out ends the proposal) and, sampling, it draws it with probability 1 and
 reports exactly that. So the level's proposals are point masses, which speculative sampling accepts
@@ -35,8 +37,8 @@ SPARE_OWN_TOKENS = 8
 @dataclass
 class Lookahead:
     """One row's greedy own tokens past its context (which ends at the target length ``base``), and the
-    target ids their text encodes to: all but the last, unless the level ended its text (``ended``:
-    a special token, whose twin, if any, is the last draft)."""
+    target ids their text encodes to (``ended``: the level ended its text with a special token, whose
+    twin, if any, is the last draft)."""
 
     base: int
     own: list[int] = field(default_factory=list)
@@ -59,12 +61,13 @@ class TextRouteRunner(TranslatedRunner):
         self.lookaheads: list[Lookahead | None] = [None] * self.rows
 
     def logits_rows(self, requests: dict[int, tuple[torch.LongTensor, int]]) -> dict[int, torch.Tensor]:
-        needed, growing = {}, []
+        needed, growing, rows_ids = {}, [], {}
         for row, (sequence, count) in requests.items():
             if count != 1:
                 raise RuntimeError(f"{self.role} drafts through text and can only draft; it was asked to verify. "
                                    "This is a bug in hf_polybasic")
             ids, length = sequence.tolist(), int(sequence.shape[0])
+            rows_ids[row] = ids
             lookahead = self.lookaheads[row]
             context = self.contexts[row]
             if lookahead is None or context is None or ids[: lookahead.base] != context.target or not lookahead.follows(
@@ -76,16 +79,20 @@ class TextRouteRunner(TranslatedRunner):
             if needed[row] >= len(lookahead.drafts) and not lookahead.ended:
                 growing.append(row)
         limits = {row: needed[row] + 1 + SPARE_OWN_TOKENS for row in growing}
+
+        def follows(row):  # grown text may re-tokenize drafts handed up (a word goes on): then nothing more there
+            return self.lookaheads[row].follows(rows_ids[row], len(rows_ids[row]))
+
         while growing:
             self._grow(growing, requests)
-            growing = [row for row in growing if needed[row] >= len(self.lookaheads[row].drafts)
+            growing = [row for row in growing if needed[row] >= len(self.lookaheads[row].drafts) and follows(row)
                        and not self.lookaheads[row].ended and len(self.lookaheads[row].own) < limits[row]]
         out = {}
-        for row, (sequence, _) in requests.items():
-            drafts = self.lookaheads[row].drafts
+        for row in requests:
+            lookahead = self.lookaheads[row]
             logits = torch.full((1, self.width), float("-inf"), device=self.device)
-            if needed[row] < len(drafts):
-                logits[0, drafts[needed[row]]] = 0.0
+            if needed[row] < len(lookahead.drafts) and follows(row):
+                logits[0, lookahead.drafts[needed[row]]] = 0.0
             out[row] = logits
         return out
 
@@ -116,7 +123,7 @@ class TextRouteRunner(TranslatedRunner):
             lookahead.ended = True
             return
         text, _ = split_complete(b"".join(shared.own_bytes[o] for o in lookahead.own))
-        lookahead.drafts = shared.encode_target(text)[:-1]
+        lookahead.drafts = shared.encode_target(text)
 
     def rollback_rows(self, lengths: dict[int, int]) -> None:
         """Forget each row's target tokens past its length; a lookahead that starts at or before it is
