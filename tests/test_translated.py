@@ -25,6 +25,7 @@ from hf_polybasic.decoding import build
 from hf_polybasic.decoding.build import ChainParts
 from hf_polybasic.decoding.round import ModelDrafter
 from hf_polybasic.generation import make_generate
+from hf_polybasic.runners.text_route import last_settled
 from hf_polybasic.runners.translated import TranslatedRunner
 from hf_polybasic.testing import (CORPUS, make_target, make_tokenizer, noisy_copy, train_tokenizer, translated_copy)
 from hf_polybasic.translation.context import OwnContext
@@ -196,26 +197,74 @@ class _ScriptedModel:
             self.lengths[row] = length
 
 
-@pytest.mark.parametrize("script", [["(", ")", "Ġthe"], ["_", "__", "Ġthe"]])
-def test_the_text_route_hands_up_every_target_token_and_stops_where_text_retokenizes_one(tokenizers, script):
-    """A lookahead's last target token is a draft at once (one own forward for one draft, as UAD); where
-    the text that follows re-tokenizes a draft already handed up ('(' then ')' spell '()'; '_' then '__'
-    spell '__', '_'), the level drafts nothing more in that round, neither growing on nor drafting from
-    text the row does not hold."""
+@pytest.mark.parametrize("text, settled", [("def", False), ("x:", False), ("x ", True), ("x = 1", True)])
+def test_a_last_token_is_settled_when_a_letter_or_a_newline_leaves_it(text, settled):
+    """A pre-tokenizer like Qwen's (words, a colon that takes a following newline, single spaces): a word
+    may go on (unsettled by a letter), a colon may take a newline (unsettled by it alone)."""
+    import re
+
+    def encode(text):
+        return re.findall(r"[a-z]+|:\n?|\S|\s", text)
+
+    assert last_settled(encode, text, encode(text)) is settled
+
+
+def _text_route(tokenizers, script):
     from hf_polybasic.runners.text_route import TextRouteRunner
 
     target, own = tokenizers["target"], tokenizers["byte-level"]
     shared = shared_vocabulary(own, target)
-    first_target = shared.encode_target(script[0])
-    assert len(first_target) == 1 and shared.encode_target(script[0] + script[1])[0] != first_target[0]
     inner = _ScriptedModel(own.convert_tokens_to_ids(script), len(own))
-    runner = TextRouteRunner(inner, shared, len(target))
-    prompt = torch.tensor(target("x = f")["input_ids"])
+    return shared, inner, TextRouteRunner(inner, shared, len(target)), torch.tensor(target("x = f")["input_ids"])
+
+
+@pytest.mark.parametrize("script", [["(", ")", "Ġthe"], ["_", "__", "Ġthe"]])
+def test_the_text_route_hands_up_a_settled_last_token_and_stops_where_text_retokenizes_it(tokenizers, script):
+    """A lookahead's last target token that a following letter or newline leaves as it is (settled) is a
+    draft at once (one own forward for one draft, as UAD); where the text that follows still re-tokenizes
+    it ('(' then ')' spell '()'; '_' then '__' spell '__', '_'), the level drafts nothing more in that
+    round, neither growing on nor drafting from text the row does not hold."""
+    shared, inner, runner, prompt = _text_route(tokenizers, script)
+    first_target = shared.encode_target(script[0])
+    assert last_settled(shared.encode_target, script[0], first_target)
+    assert len(first_target) == 1 and shared.encode_target(script[0] + script[1])[0] != first_target[0]
     first = runner.logits_rows({0: (prompt, 1)})[0]
     assert first.argmax(-1).tolist() == first_target and inner.forward_passes == 1
     following = torch.cat([prompt, first.argmax(-1)])
     assert torch.isinf(runner.logits_rows({0: (following, 1)})[0]).all()
     assert inner.forward_passes == 2
+
+
+def test_the_text_route_holds_an_unsettled_last_token_until_text_confirms_it(tokenizers):
+    """A space, which a following word takes ('Ġ' then 'Ġthe' spell 'Ġ', 'Ġthe' here, but 'Ġa' had an 'a'
+    followed), is drafted only once the level's next own token confirms it: two own forwards."""
+    shared, inner, runner, prompt = _text_route(tokenizers, ["Ġ", "Ġthe", "Ġthe"])
+    assert not last_settled(shared.encode_target, " ", shared.encode_target(" "))
+    first = runner.logits_rows({0: (prompt, 1)})[0]
+    assert first.argmax(-1).tolist() == shared.encode_target(" ") and inner.forward_passes == 2
+
+
+def test_the_text_route_drafts_no_token_an_incomplete_character_may_join(tokenizers):
+    """Own tokens ' the' and the first byte of 'é': the text so far ends at ' the', whose last token the
+    character may still join, so nothing is a draft yet (though a letter and a newline leave it); the
+    second byte completes it and the text's tokens are drafts."""
+    from hf_polybasic.runners.text_route import Lookahead
+
+    shared, _, runner, _ = _text_route(tokenizers, [])
+    lookahead = Lookahead(base=0)
+    own = tokenizers["byte-level"].convert_tokens_to_ids(["Ġthe", "Ã", "©"])
+    runner._extend(lookahead, own[0])
+    assert lookahead.drafts == shared.encode_target(" the") and last_settled(shared.encode_target, " the",
+                                                                             lookahead.drafts)
+    runner._extend(lookahead, own[1])
+    assert lookahead.drafts == []
+    runner._extend(lookahead, own[2])
+    assert lookahead.drafts == shared.encode_target(" theé")  # 'Ġthe', then the bytes of 'é' here
+    # asked for the draft after ' the' (handed up at once), the level drafts on past the lone first byte
+    _, inner, runner, prompt = _text_route(tokenizers, ["Ġthe", "Ã", "©"])
+    first = runner.logits_rows({0: (prompt, 1)})[0].argmax(-1)
+    second = runner.logits_rows({0: (torch.cat([prompt, first]), 1)})[0]
+    assert int(second.argmax()) == lookahead.drafts[1] and inner.forward_passes == 3
 
 
 # --- sampling: the target's distribution --------------------------------------------------------------------

@@ -3,10 +3,13 @@ its own, re-encoded by the target's tokenizer, handed up as point masses.
 
 At a row's position the level runs its own model greedily over its whole vocabulary (the
 *lookahead*: own tokens past its context, kept in its cache), and encodes the text they spell with
-the target's tokenizer; every target token of it is a draft, the last one too (as UAD hands up all:
-holding it back until more text confirms it cost a forward of the level's model per round). Where
-the text that follows re-tokenizes a draft already handed up (a word that goes on), the lookahead no
-longer spells the row's sequence and the level drafts nothing more in that round. `TextRouteRunner.logits_rows` hands the chain's drafter one draft per
+the target's tokenizer; every target token of it is a draft, but the last one only where it is
+*settled*: the text followed by a letter or by a newline still encodes to it (`last_settled`). An
+unsettled one (a word that may go on, a run of spaces or of punctuation that a newline or the next
+word joins) waits until more text confirms it, as a forward of the level's model; a settled one is
+handed up at once, as UAD hands up all. Where the text
+that follows still re-tokenizes a draft already handed up, the lookahead no longer spells the row's
+sequence and the level drafts nothing more in that round. `TextRouteRunner.logits_rows` hands the chain's drafter one draft per
 position as logits that are 0 at that id and -inf elsewhere: the drafter's processors keep it or
 rule it out (a draft ruled out ends the proposal) and, sampling, it draws it with probability 1 and
 reports exactly that. So the level's proposals are point masses, which speculative sampling accepts
@@ -29,9 +32,18 @@ import torch
 from ..translation.tokens import split_complete
 from .translated import TranslatedRunner
 
+# continuations a settled last target token survives: a word going on, and a newline (which joins a
+# run of spaces, and a run of punctuation in Qwen's and Llama 3's pre-tokenizers)
+SETTLING_TEXTS = ("a", "\n")
 # at most this many own tokens past those a position needs before the level gives up drafting there
 # (own tokens that spell no complete target token: whitespace runs, bytes of a long character)
 SPARE_OWN_TOKENS = 8
+
+
+def last_settled(encode, text: str, ids: list[int]) -> bool:
+    """Whether the last of ``ids`` (``encode(text)``, a text with no incomplete character at its end)
+    stays a token of it whatever text follows, as far as `SETTLING_TEXTS` tell."""
+    return all(encode(text + more)[: len(ids)] == ids for more in SETTLING_TEXTS)
 
 
 @dataclass
@@ -45,10 +57,15 @@ class Lookahead:
     drafts: list[int] = field(default_factory=list)
     ended: bool = False
 
+    def agrees(self, ids: list[int]) -> bool:
+        """Whether the drafts and the row's tokens past ``base`` (``ids[base:]``) agree where both are."""
+        past = ids[self.base:]
+        common = min(len(past), len(self.drafts))
+        return past[:common] == self.drafts[:common]
+
     def follows(self, ids: list[int], length: int) -> bool:
         """Whether the row's sequence ``ids[:length]`` went along this lookahead's drafts."""
-        return self.base <= length <= self.base + len(self.drafts) and ids[self.base : length] == self.drafts[
-            : length - self.base]
+        return self.base <= length <= self.base + len(self.drafts) and self.agrees(ids[:length])
 
 
 class TextRouteRunner(TranslatedRunner):
@@ -79,19 +96,17 @@ class TextRouteRunner(TranslatedRunner):
             if needed[row] >= len(lookahead.drafts) and not lookahead.ended:
                 growing.append(row)
         limits = {row: needed[row] + 1 + SPARE_OWN_TOKENS for row in growing}
-
-        def follows(row):  # grown text may re-tokenize drafts handed up (a word goes on): then nothing more there
-            return self.lookaheads[row].follows(rows_ids[row], len(rows_ids[row]))
-
+        # grown text may re-tokenize a draft handed up (a word goes on): then nothing more there
         while growing:
             self._grow(growing, requests)
-            growing = [row for row in growing if needed[row] >= len(self.lookaheads[row].drafts) and follows(row)
+            growing = [row for row in growing if needed[row] >= len(self.lookaheads[row].drafts)
+                       and self.lookaheads[row].agrees(rows_ids[row])
                        and not self.lookaheads[row].ended and len(self.lookaheads[row].own) < limits[row]]
         out = {}
         for row in requests:
             lookahead = self.lookaheads[row]
             logits = torch.full((1, self.width), float("-inf"), device=self.device)
-            if needed[row] < len(lookahead.drafts) and follows(row):
+            if needed[row] < len(lookahead.drafts) and lookahead.agrees(rows_ids[row]):
                 logits[0, lookahead.drafts[needed[row]]] = 0.0
             out[row] = logits
         return out
@@ -122,8 +137,10 @@ class TextRouteRunner(TranslatedRunner):
             lookahead.drafts = shared.encode_target(text) + ([] if twin is None else [twin])
             lookahead.ended = True
             return
-        text, _ = split_complete(b"".join(shared.own_bytes[o] for o in lookahead.own))
-        lookahead.drafts = shared.encode_target(text)
+        text, held = split_complete(b"".join(shared.own_bytes[o] for o in lookahead.own))
+        drafts = shared.encode_target(text)
+        lookahead.drafts = drafts if drafts and not held and last_settled(shared.encode_target, text, drafts) else (
+            drafts[:-1])
 
     def rollback_rows(self, lengths: dict[int, int]) -> None:
         """Forget each row's target tokens past its length; a lookahead that starts at or before it is
