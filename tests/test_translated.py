@@ -197,14 +197,16 @@ class _ScriptedModel:
             self.lengths[row] = length
 
 
-@pytest.mark.parametrize("text, settled", [("def", False), ("x:", False), ("x ", True), ("x = 1", True)])
-def test_a_last_token_is_settled_when_a_letter_or_a_newline_leaves_it(text, settled):
-    """A pre-tokenizer like Qwen's (words, a colon that takes a following newline, single spaces): a word
-    may go on (unsettled by a letter), a colon may take a newline (unsettled by it alone)."""
+@pytest.mark.parametrize("text, settled", [("def", True), ("x = 1", True), ("x:", False), ("x.", False),
+                                           ("x ", False), ("", False)])
+def test_a_last_token_is_settled_unless_whitespace_ends_it_or_a_next_word_or_newline_joins_it(text, settled):
+    """A toy pre-tokenizer (words that take a space before them, a colon that takes a newline, a full stop
+    that takes the next word): a word or a number stays; a colon may take a newline, a full stop the next
+    word, and a space the next word (as Qwen's does)."""
     import re
 
     def encode(text):
-        return re.findall(r"[a-z]+|:\n?|\S|\s", text)
+        return re.findall(r"\.(?: [a-z]+)?| ?[a-z]+|:\n?|\S|\s", text)
 
     assert last_settled(encode, text, encode(text)) is settled
 
@@ -220,7 +222,7 @@ def _text_route(tokenizers, script):
 
 @pytest.mark.parametrize("script", [["(", ")", "Ġthe"], ["_", "__", "Ġthe"]])
 def test_the_text_route_hands_up_a_settled_last_token_and_stops_where_text_retokenizes_it(tokenizers, script):
-    """A lookahead's last target token that a following letter or newline leaves as it is (settled) is a
+    """A lookahead's last target token that a next word or a newline leaves as it is (settled) is a
     draft at once (one own forward for one draft, as UAD); where the text that follows still re-tokenizes
     it ('(' then ')' spell '()'; '_' then '__' spell '__', '_'), the level drafts nothing more in that
     round, neither growing on nor drafting from text the row does not hold."""
@@ -236,8 +238,8 @@ def test_the_text_route_hands_up_a_settled_last_token_and_stops_where_text_retok
 
 
 def test_the_text_route_holds_an_unsettled_last_token_until_text_confirms_it(tokenizers):
-    """A space, which a following word takes ('Ġ' then 'Ġthe' spell 'Ġ', 'Ġthe' here, but 'Ġa' had an 'a'
-    followed), is drafted only once the level's next own token confirms it: two own forwards."""
+    """A space, which a following word may take, is drafted only once the level's next own token confirms
+    it ('Ġ' then 'Ġthe' spell 'Ġ', 'Ġthe' here): two own forwards."""
     shared, inner, runner, prompt = _text_route(tokenizers, ["Ġ", "Ġthe", "Ġthe"])
     assert not last_settled(shared.encode_target, " ", shared.encode_target(" "))
     first = runner.logits_rows({0: (prompt, 1)})[0]
@@ -246,7 +248,7 @@ def test_the_text_route_holds_an_unsettled_last_token_until_text_confirms_it(tok
 
 def test_the_text_route_drafts_no_token_an_incomplete_character_may_join(tokenizers):
     """Own tokens ' the' and the first byte of 'é': the text so far ends at ' the', whose last token the
-    character may still join, so nothing is a draft yet (though a letter and a newline leave it); the
+    character may still join, so nothing is a draft yet (though a next word and a newline leave it); the
     second byte completes it and the text's tokens are drafts."""
     from hf_polybasic.runners.text_route import Lookahead
 

@@ -4,18 +4,20 @@ its own, re-encoded by the target's tokenizer, handed up as point masses.
 At a row's position the level runs its own model greedily over its whole vocabulary (the
 *lookahead*: own tokens past its context, kept in its cache), and encodes the text they spell with
 the target's tokenizer; every target token of it is a draft, but the last one only where it is
-*settled*: the text followed by a letter or by a newline still encodes to it (`last_settled`). An
-unsettled one (a word that may go on, a run of spaces or of punctuation that a newline or the next
-word joins) waits until more text confirms it, as a forward of the level's model; a settled one is
-handed up at once, as UAD hands up all. Where the text
-that follows still re-tokenizes a draft already handed up, the lookahead no longer spells the row's
-sequence and the level drafts nothing more in that round. `TextRouteRunner.logits_rows` hands the chain's drafter one draft per
-position as logits that are 0 at that id and -inf elsewhere: the drafter's processors keep it or
-rule it out (a draft ruled out ends the proposal) and, sampling, it draws it with probability 1 and
-reports exactly that. So the level's proposals are point masses, which speculative sampling accepts
-with the target's own probability: exact under greedy decoding and sampling alike, whatever the
-drafts are. Drafts may depend on anything decided before them (earlier rounds' lookaheads), never on
-what the level above decides about them.
+*settled*: the text does not end in whitespace, and followed by a word or by a newline it still
+encodes to it (`last_settled`). An unsettled one (a run of spaces that the next word takes, a run
+of punctuation that a newline joins) waits until more text confirms it, at the cost of a forward of
+the level's model; a settled one is handed up at once, as UAD hands up all. Where the text that
+follows still re-tokenizes a draft already handed up, the lookahead no longer spells the row's
+sequence and the level drafts nothing more in that round.
+
+`TextRouteRunner.logits_rows` hands the chain's drafter one draft per position as logits that are
+0 at that id and -inf elsewhere: the drafter's processors keep it or rule it out (a draft ruled out
+ends the proposal) and, sampling, it draws it with probability 1 and reports exactly that. So the
+level's proposals are point masses, which speculative sampling accepts with the target's own
+probability: exact under greedy decoding and sampling alike, whatever the drafts are. Drafts may
+depend on anything decided before them (earlier rounds' lookaheads), never on what the level above
+decides about them.
 
 A lookahead stays in use while the row's sequence follows its drafts (the next round then drafts on
 from it without a forward); where the sequence leaves it, the row's context is translated token by
@@ -32,9 +34,10 @@ import torch
 from ..translation.tokens import split_complete
 from .translated import TranslatedRunner
 
-# continuations a settled last target token survives: a word going on, and a newline (which joins a
-# run of spaces, and a run of punctuation in Qwen's and Llama 3's pre-tokenizers)
-SETTLING_TEXTS = ("a", "\n")
+# continuations a settled last target token survives: a next word, and a newline (which joins a run of
+# punctuation in Qwen's and Llama 3's pre-tokenizers). A word that goes on in the level's next own
+# token is rare enough not to hold every word back for (own tokens mostly end where words do)
+SETTLING_TEXTS = (" a", "\n")
 # at most this many own tokens past those a position needs before the level gives up drafting there
 # (own tokens that spell no complete target token: whitespace runs, bytes of a long character)
 SPARE_OWN_TOKENS = 8
@@ -42,8 +45,9 @@ SPARE_OWN_TOKENS = 8
 
 def last_settled(encode, text: str, ids: list[int]) -> bool:
     """Whether the last of ``ids`` (``encode(text)``, a text with no incomplete character at its end)
-    stays a token of it whatever text follows, as far as `SETTLING_TEXTS` tell."""
-    return all(encode(text + more)[: len(ids)] == ids for more in SETTLING_TEXTS)
+    stays a token of it whatever text follows, as far as whitespace at its end and `SETTLING_TEXTS`
+    tell."""
+    return bool(text) and not text[-1].isspace() and all(encode(text + more)[: len(ids)] == ids for more in SETTLING_TEXTS)
 
 
 @dataclass
