@@ -13,6 +13,7 @@ switches its repetition penalty off).
 
 import copy
 import random
+import re
 
 import pytest
 import torch
@@ -25,7 +26,7 @@ from hf_polybasic.decoding import build
 from hf_polybasic.decoding.build import ChainParts
 from hf_polybasic.decoding.round import ModelDrafter
 from hf_polybasic.generation import make_generate
-from hf_polybasic.runners.text_route import last_settled
+from hf_polybasic.runners.text_route import Lookahead, TextRouteRunner, last_settled
 from hf_polybasic.runners.translated import TranslatedRunner
 from hf_polybasic.testing import (CORPUS, make_target, make_tokenizer, noisy_copy, train_tokenizer, translated_copy)
 from hf_polybasic.translation.context import OwnContext
@@ -203,7 +204,6 @@ def test_a_last_token_is_settled_unless_whitespace_ends_it_or_a_next_word_or_new
     """A toy pre-tokenizer (words that take a space before them, a colon that takes a newline, a full stop
     that takes the next word): a word or a number stays; a colon may take a newline, a full stop the next
     word, and a space the next word (as Qwen's does)."""
-    import re
 
     def encode(text):
         return re.findall(r"\.(?: [a-z]+)?| ?[a-z]+|:\n?|\S|\s", text)
@@ -212,8 +212,6 @@ def test_a_last_token_is_settled_unless_whitespace_ends_it_or_a_next_word_or_new
 
 
 def _text_route(tokenizers, script):
-    from hf_polybasic.runners.text_route import TextRouteRunner
-
     target, own = tokenizers["target"], tokenizers["byte-level"]
     shared = shared_vocabulary(own, target)
     inner = _ScriptedModel(own.convert_tokens_to_ids(script), len(own))
@@ -250,8 +248,6 @@ def test_the_text_route_drafts_no_token_an_incomplete_character_may_join(tokeniz
     """Own tokens ' the' and the first byte of 'é': the text so far ends at ' the', whose last token the
     character may still join, so nothing is a draft yet (though a next word and a newline leave it); the
     second byte completes it and the text's tokens are drafts."""
-    from hf_polybasic.runners.text_route import Lookahead
-
     shared, _, runner, _ = _text_route(tokenizers, [])
     lookahead = Lookahead(base=0)
     own = tokenizers["byte-level"].convert_tokens_to_ids(["Ġthe", "Ã", "©"])

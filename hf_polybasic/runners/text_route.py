@@ -47,7 +47,9 @@ def last_settled(encode, text: str, ids: list[int]) -> bool:
     """Whether the last of ``ids`` (``encode(text)``, a text with no incomplete character at its end)
     stays a token of it whatever text follows, as far as whitespace at its end and `SETTLING_TEXTS`
     tell."""
-    return bool(text) and not text[-1].isspace() and all(encode(text + more)[: len(ids)] == ids for more in SETTLING_TEXTS)
+    if not text or text[-1].isspace():
+        return False
+    return all(encode(text + more)[: len(ids)] == ids for more in SETTLING_TEXTS)
 
 
 @dataclass
@@ -143,8 +145,9 @@ class TextRouteRunner(TranslatedRunner):
             return
         text, held = split_complete(b"".join(shared.own_bytes[o] for o in lookahead.own))
         drafts = shared.encode_target(text)
-        lookahead.drafts = drafts if drafts and not held and last_settled(shared.encode_target, text, drafts) else (
-            drafts[:-1])
+        if held or not last_settled(shared.encode_target, text, drafts):  # it waits for more text
+            drafts = drafts[:-1]
+        lookahead.drafts = drafts
 
     def rollback_rows(self, lengths: dict[int, int]) -> None:
         """Forget each row's target tokens past its length; a lookahead that starts at or before it is
