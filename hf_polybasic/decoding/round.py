@@ -459,13 +459,14 @@ class IntermediateLevel(Proposer):
 @dataclass
 class Draw:
     """One token a model drafted for a row, still on the device: the token ``[1]``, the distribution
-    reported for it (``[1, V]`` when sampling, else None), its probability when asked, and whether
-    the processed scores it came from had any finite value."""
+    reported for it (``[1, V]`` when sampling, else None), its probability and the distribution's
+    largest when asked, and whether the processed scores it came from had any finite value."""
 
     token: torch.LongTensor
     probs: torch.Tensor | None
     confidence: torch.Tensor | None
     valid: torch.Tensor
+    top: torch.Tensor | None = None  # the distribution's largest probability, when asked
 
 
 # Where reads wait for the device, a schedule that stops by confidence drafts this many tokens in
@@ -597,19 +598,24 @@ class ModelDrafter(Proposer):
             probs = torch.where(valid, probs, torch.ones_like(probs) / probs.shape[-1])  # never NaN to draw from
         token = torch.multinomial(probs, 1)[0] if self.samples else scores.argmax(-1)  # [1]
         reported = self.proposal_probs(probs, logits) if self.samples else None
-        return Draw(token, reported, probs[0, token] if confidence else None, valid)
+        if not confidence:
+            return Draw(token, reported, None, valid)
+        return Draw(token, reported, probs[0, token], valid, probs.max())
 
     def _keep_step(self, blocks: dict[int, Block], drawn: dict[int, list[Draw]], rows: list[int]) -> list[int]:
         """Read the latest draw of every row back (one read for all: token, validity, confidence), add
         it to the row's block; the rows that draft another."""
         latest = [drawn[row].pop() for row in rows]
-        values = torch.stack([torch.stack([d.token[0].double(), d.valid.double(), d.confidence.reshape(()).double()])
-                              for d in latest]).tolist()
+        values = torch.stack([torch.stack([d.token[0].double(), d.valid.double(), d.confidence.reshape(()).double(),
+                                           d.top.reshape(()).double()]) for d in latest]).tolist()
         going = []
-        for row, draw, (token, valid, confidence) in zip(rows, latest, values):
+        for row, draw, (token, valid, confidence, top) in zip(rows, latest, values):
             if not valid:
                 continue
             block = blocks[row]
+            # whether the round proposes at all: from the distribution (its top), never the draw
+            if block.size == 0 and not self._active[row].first_draft_pays(top):
+                continue
             block.extend(draw.token, draw.probs, ids=[int(token)])
             # the token just drawn is kept whatever it is; only whether to draw another depends on it
             if not block.closed and self._active[row].keep_drafting(confidence):
@@ -627,6 +633,7 @@ class ModelDrafter(Proposer):
                   (("drafts", row, "valid"), torch.stack([d.valid for d in draws]))]
         if draws[0].confidence is not None:
             pieces.append((("drafts", row, "confidences"), torch.stack([d.confidence.reshape(()) for d in draws])))
+            pieces.append((("drafts", row, "tops"), draws[0].top.reshape(1)))
         return pieces
 
     def _settle(self, blocks: dict[int, Block], drawn: dict[int, list[Draw]], widths: dict[int, int],
@@ -648,14 +655,20 @@ class ModelDrafter(Proposer):
             block.extend(torch.cat([d.token for d in draws[:usable]]),
                          torch.cat([d.probs for d in draws[:usable]]) if self.samples else None, ids=tokens[:usable])
             if draws[0].confidence is not None:
-                self._cut_by_confidence(row, block, host["drafts", row, "confidences"], widths[row])
+                self._cut_by_confidence(row, block, host["drafts", row, "confidences"], host["drafts", row, "tops"][0],
+                                        widths[row])
         self._observe(blocks, seconds)
         return {row: block.proposal() for row, block in blocks.items()}
 
-    def _cut_by_confidence(self, row: int, block: Block, confidences: list[float], width: int) -> None:
-        """Ask the row's schedule about each kept token in turn, as `_keep_step` would have after
-        drafting it; end the block after the first it would not have drafted past."""
+    def _cut_by_confidence(self, row: int, block: Block, confidences: list[float], top: float, width: int) -> None:
+        """Ask the row's schedule whether to propose at all (from the first position's ``top``) and
+        about each kept token in turn, as `_keep_step` would have after drafting it; end the block
+        after the first it would not have drafted past."""
         schedule = self._active[row]
+        if block.size and not schedule.first_draft_pays(top):
+            block.truncate(0)
+            self._widths[row] = next_width(width, 1)
+            return
         for index in range(block.size):
             if block.closed and index == block.size - 1:
                 break  # drafting would have ended here anyway: the schedule is not asked

@@ -59,6 +59,8 @@ SAFETY_ROUNDS = 8
 SAFETY_MARGIN = 0.8
 # a probe after which proposing pays by this margin resets the back-off stretch
 RESET_MARGIN = 1.1
+# rounds in a row whose first draft did not pay (`first_draft_pays`) before the level backs off
+DECLINED_ROUNDS = 4
 # how many more tokens `keep_drafting` looks ahead (1: the next one only)
 LOOKAHEAD = 16
 
@@ -121,6 +123,7 @@ class CostAwareSchedule:
         self.uncalibrated_answers = 0
         self._last_proposal_seconds = 0.0
         self._checked_costs = False
+        self._declined = 0  # rounds in a row `first_draft_pays` declined
 
     # --- what the level asks ---------------------------------------------------------------------
     @property
@@ -181,6 +184,29 @@ class CostAwareSchedule:
         if not calibration.calibrated:
             self.uncalibrated_answers += 1
         return going
+
+    def first_draft_pays(self, top: float) -> bool:
+        """Whether a model level's round should propose at all, given the largest probability of its
+        distribution at the round's first position (known before the drawn token is kept, so the
+        answer is exact to act on when sampling; greedy, the draft's own confidence): some proposal
+        from there is expected to beat the parent decoding that position alone, the first token priced
+        by the calibrated acceptance at ``top`` (`worth_more` from a round of nothing). Before the
+        calibration is the pair's own, yes."""
+        calibration = self.calibration
+        if not calibration.calibrated:
+            return True
+        first, later = calibration.acceptance(top), calibration.next_acceptance(top)
+        step = self.seconds_per_token()
+        alone = self.verification_seconds(1)
+        extras = [(m - 1) * step + self.verification_seconds(1 + m) - alone
+                  for m in range(1, min(LOOKAHEAD, self.maximum) + 1)]
+        pays = worth_more(first / later, later, 1.0, alone, extras)
+        # a declined round cost a drafter forward for nothing: declined in a row, the level backs off
+        self._declined = 0 if pays else self._declined + 1
+        if self._declined >= DECLINED_ROUNDS:
+            self._declined = 0
+            self.backoff.pause()
+        return pays
 
     # --- estimates ---------------------------------------------------------------------------------
     def acceptance_rate(self) -> float:

@@ -22,6 +22,9 @@ class ConstantSchedule:
     def keep_drafting(self, confidence: float) -> bool:
         return True
 
+    def first_draft_pays(self, top: float) -> bool:
+        return True
+
     def observe_proposal(self, num_tokens: int, seconds: float) -> None:
         pass
 
