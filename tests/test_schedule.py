@@ -253,6 +253,38 @@ def test_keep_drafting_weighs_the_marginal_verification_cost():
     assert flat_kept == 6 and steep_kept == 0
 
 
+def test_a_round_proposes_at_all_only_where_its_first_top_probability_pays():
+    """`first_draft_pays` on a curve where any proposal costs the parent a second step (T(2) = 2 T(1),
+    flat beyond: unpacked fp32 on AVX2): every round proposes until the calibration is the pair's own;
+    then a first position whose probability bin was never accepted declines and a sure one proposes;
+    `DECLINED_ROUNDS` declines in a row back the level off, and a round that pays restarts the count."""
+    schedule = CostAwareSchedule(4, 16, per_token=True, verifier_costs=Curve(lambda k: 0.1 if k == 1 else 0.2),
+                                 step_seconds=0.01)
+    assert not schedule.calibration.calibrated and schedule.first_draft_pays(0.1)
+    for _ in range(20):
+        schedule.calibration.observe([0.1], accepted=0)
+        schedule.calibration.observe([0.97, 0.97, 0.97], accepted=3)
+    assert schedule.calibration.calibrated
+    for _ in range(cost_aware.DECLINED_ROUNDS - 1):
+        assert not schedule.first_draft_pays(0.1)
+    assert schedule.first_draft_pays(0.97)
+    for _ in range(cost_aware.DECLINED_ROUNDS - 1):
+        assert not schedule.first_draft_pays(0.1)
+    assert not schedule.backoff.paused  # the pass in between restarted the count
+    assert not schedule.first_draft_pays(0.1)
+    assert schedule.backoff.paused and schedule.length() == 0
+    # the price is the curve's: where a first draft costs the parent nothing, even that bin's pays
+    flat = CostAwareSchedule(4, 16, per_token=True, verifier_costs=Curve(lambda k: 0.1), step_seconds=0.01)
+    flat.calibration = schedule.calibration
+    assert flat.first_draft_pays(0.1)
+    # a sure first draft pays for half a step on its own, though the draft after it is mostly rejected
+    half = CostAwareSchedule(4, 16, per_token=True, verifier_costs=Curve(lambda k: 0.1 if k == 1 else 0.15),
+                             step_seconds=0.01)
+    for _ in range(20):
+        half.calibration.observe([0.85, 0.1], accepted=1)
+    assert half.calibration.next_acceptance(0.85) < 0.2 and half.first_draft_pays(0.85)
+
+
 def test_it_backs_off_at_once_when_not_even_perfect_acceptance_could_pay():
     """Verifying k tokens costs k steps (bf16 without bf16 units): drafting can never pay."""
     schedule = CostAwareSchedule(4, 16, per_token=True, verifier_costs=Curve(lambda k: 0.1 * k), step_seconds=0.01)

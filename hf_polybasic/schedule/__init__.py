@@ -22,8 +22,10 @@ for all of them, by the clock) in `batch_gate`, and whether a middle level takes
 3.2 on measured costs and acceptance), or the drafter below it (Lemma 3.1), in `shape_gate`.
 
 Why every schedule is lossless: the length is chosen from the past only (acceptance counts,
-timings, and the tokens already drafted, which are all kept), never by dropping a drawn token, and
-verification of each proposed token is exact whatever the length (a length of 0 is plain decoding).
+timings, the tokens already drafted, which are all kept, and whether a round proposes at all, which
+is decided from the drafter's distribution at its first position, not from the token drawn from it),
+never by a drawn token's value, and verification of each proposed token is exact whatever the length
+(a length of 0 is plain decoding).
 """
 
 from __future__ import annotations

@@ -15,7 +15,12 @@ overhead o; this level's proposals cost s per token (measured).
   CPU kernel's row blocks) is crossed when the flat stretch beyond it pays for it. Confident streaks
   (code, copied text) run long, up to ``maximum``; unsure tokens end the proposal; where a
   verification of k tokens costs about k steps the marginal cost is a whole step and proposals stay
-  short.
+  short. Before a round's first token counts, the bottom drafter asks `first_draft_pays` with the
+  largest probability of its distribution there (not the drawn token's): once the calibration is
+  the pair's own, the round proposes only where some proposal, its first token priced by the
+  calibrated acceptance at that probability, beats the parent decoding the position alone
+  (where T_v(2) = 2 T_v(1), an unsure first draft costs a whole step; `DECLINED_ROUNDS` declines in
+  a row back the level off, since each cost a drafter forward).
 * **A `Drafter`** (no confidences: n-gram lookups) proposes the length in 1 .. ``maximum`` that
   maximises expected tokens per second from its running acceptance (`rates.best_length`).
 * **Back-off** (`BackOff`): rounds go on while some proposal length is expected to beat the
@@ -31,8 +36,9 @@ overhead o; this level's proposals cost s per token (measured).
   costs, `SAFETY_ROUNDS` rounds that yield, by the clock, less than `SAFETY_MARGIN` of plain
   decoding also make it back off.
 
-Lossless: lengths come from the past and from tokens already proposed (kept whatever they are);
-no drawn token is ever dropped because of its value, and verification is exact whatever the length
+Lossless: lengths come from the past and from tokens already proposed (kept whatever they are),
+and whether a round proposes at all from the drafter's distribution before its draw counts; no drawn
+token is ever dropped because of its value, and verification is exact whatever the length
 (0 is plain decoding). Lengths depend on timings, so sampled outputs are exactly distributed but
 not bit-reproducible from a seed.
 """
