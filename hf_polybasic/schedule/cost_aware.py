@@ -181,11 +181,8 @@ class CostAwareSchedule:
         for value in self._confidences:
             survival *= calibration.acceptance(value)
             expected += survival
-        step = self.seconds_per_token()
-        verified = self.verification_seconds(drafted + 1)
-        round_seconds = drafted * step + verified
-        extras = [m * step + self.verification_seconds(drafted + 1 + m) - verified
-                  for m in range(1, min(LOOKAHEAD, self.maximum - drafted) + 1)]
+        round_seconds = drafted * self.seconds_per_token() + self.verification_seconds(drafted + 1)
+        extras = self._extra_seconds(drafted)
         going = worth_more(survival, calibration.next_acceptance(confidence), expected, round_seconds, extras)
         if not calibration.calibrated:
             self.uncalibrated_answers += 1
@@ -202,17 +199,22 @@ class CostAwareSchedule:
         if not calibration.calibrated:
             return True
         first, later = calibration.acceptance(top), calibration.next_acceptance(top)
-        step = self.seconds_per_token()
-        alone = self.verification_seconds(1)
-        extras = [(m - 1) * step + self.verification_seconds(1 + m) - alone
-                  for m in range(1, min(LOOKAHEAD, self.maximum) + 1)]
-        pays = worth_more(first / later, later, 1.0, alone, extras)
+        # the first token is drawn already: m tokens cost m - 1 more drafting steps
+        extras = [extra - self.seconds_per_token() for extra in self._extra_seconds(0)]
+        pays = worth_more(first / later, later, 1.0, self.verification_seconds(1), extras)
         # a declined round cost a drafter forward for nothing: declined in a row, the level backs off
         self._declined = 0 if pays else self._declined + 1
         if self._declined >= DECLINED_ROUNDS:
             self._declined = 0
             self.backoff.pause()
         return pays
+
+    def _extra_seconds(self, drafted: int) -> list[float]:
+        """What m = 1 .. `LOOKAHEAD` more tokens (within ``maximum``) add to a round of ``drafted``:
+        m drafting steps plus the verification's growth from ``drafted + 1`` to ``drafted + 1 + m``."""
+        step, verified = self.seconds_per_token(), self.verification_seconds(drafted + 1)
+        return [m * step + self.verification_seconds(drafted + 1 + m) - verified
+                for m in range(1, min(LOOKAHEAD, self.maximum - drafted) + 1)]
 
     # --- estimates ---------------------------------------------------------------------------------
     def acceptance_rate(self) -> float:
