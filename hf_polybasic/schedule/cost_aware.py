@@ -130,6 +130,8 @@ class CostAwareSchedule:
         self._last_proposal_seconds = 0.0
         self._checked_costs = False
         self._declined = 0  # rounds in a row `first_draft_pays` declined
+        # whether `first_draft_pays` decides this level's rounds (asked with a calibration of the pair's own)
+        self.gates_rounds = False
 
     # --- what the level asks ---------------------------------------------------------------------
     @property
@@ -151,7 +153,9 @@ class CostAwareSchedule:
         if self.gate is not None and self.gate.paused:
             self._gated_rounds += 1
             return 0
-        if not self.backoff.probing and self.rounds >= WARMUP_ROUNDS and not self.round_pays():
+        # the average test (`round_pays`) pauses a level that cannot tell its rounds apart; a level whose
+        # first-draft gate decides each round from its confidence there is not also paused by it
+        if not self.backoff.probing and self.rounds >= WARMUP_ROUNDS and not self.gates_rounds and not self.round_pays():
             self.backoff.pause()
             return 0
         if self.gate is not None and self.gate.cap is not None:  # a batch not yet seen to pay: short proposals
@@ -198,6 +202,7 @@ class CostAwareSchedule:
         calibration = self.calibration
         if not calibration.calibrated:
             return True
+        self.gates_rounds = True
         first, later = calibration.acceptance(top), calibration.next_acceptance(top)
         # the first token is drawn already: m tokens cost m - 1 more drafting steps
         extras = [extra - self.seconds_per_token() for extra in self._extra_seconds(0)]
