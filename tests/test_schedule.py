@@ -457,6 +457,32 @@ def test_a_round_pays_where_a_long_proposal_beats_decoding_alone_though_its_firs
     assert not unsure.round_pays() and unsure.length() == 0
 
 
+def test_a_level_its_first_draft_gate_decides_is_not_paused_by_the_average_test():
+    """After a turn's unsure start (its unsure first drafts rejected round after round) the average test,
+    `round_pays`, says no proposal pays; a level whose rounds `first_draft_pays` decides (asked with a
+    calibration of the pair's own) proposes on, declining unsure rounds one by one, while one that does
+    not ask backs off for a stretch (issue 47's AVX2 bench: 8-round pauses over code the drafter matched).
+    An answer of the prior's calibration does not count as the gate deciding."""
+    def after_unsure_start(gated):
+        schedule = CostAwareSchedule(4, 16, per_token=True, verifier_costs=Curve(_step_at_two), step_seconds=0.0009)
+        if gated:
+            schedule.first_draft_pays(0.3)
+            assert not schedule.gates_rounds  # the prior's answer
+        for _ in range(WARMUP_ROUNDS + 4):
+            for _ in range(8):
+                schedule.keep_drafting(0.3)
+            _round(schedule, 8, 0, 8 * 0.0009, verify=_step_at_two(9))
+        assert schedule.calibration.calibrated and not schedule.round_pays()
+        if gated:
+            assert schedule.first_draft_pays(0.995) and schedule.gates_rounds
+        return schedule
+
+    assert after_unsure_start(gated=False).length() == 0
+    gated = after_unsure_start(gated=True)
+    assert gated.length() > 0 and not gated.backoff.paused
+    assert not gated.first_draft_pays(0.3)  # the unsure round is declined on its own
+
+
 def test_the_best_round_rate_takes_the_first_tokens_acceptance_for_the_first_token_only():
     """A round's first draft is accepted at the first-token rate a_1, each later one at alpha after an
     accepted one; ``round_pays(margin)`` asks for that margin over plain decoding."""

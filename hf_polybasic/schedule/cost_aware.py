@@ -20,11 +20,13 @@ overhead o; this level's proposals cost s per token (measured).
   the pair's own, the round proposes only where some proposal, its first token priced by the
   calibrated acceptance at that probability, beats the parent decoding the position alone
   (where T_v(2) = 2 T_v(1), an unsure first draft costs a whole step; `DECLINED_ROUNDS` declines in
-  a row back the level off, since each cost a drafter forward).
+  a row back the level off, since each cost a drafter forward). A level the gate decides is not
+  also paused by the average test below (`gates_rounds`): after a turn's unsure opening that test
+  sat out stretches the drafter went on to match.
 * **A `Drafter`** (no confidences: n-gram lookups) proposes the length in 1 .. ``maximum`` that
   maximises expected tokens per second from its running acceptance (`rates.best_length`).
-* **Back-off** (`BackOff`): rounds go on while some proposal length is expected to beat the
-  parent decoding alone: (1 + a_1 (1 + alpha + ... + alpha^(l-1))) / (l s + T_v(l + 1)) >
+* **Back-off** (`BackOff`): for a level its first-draft gate does not decide, rounds go on while
+  some proposal length is expected to beat the parent decoding alone: (1 + a_1 (1 + alpha + ... + alpha^(l-1))) / (l s + T_v(l + 1)) >
   1 / (T_v(1) + o) for some l, with a_1 the running acceptance of first tokens and alpha the
   running acceptance per token (`rates.best_round_rate`). Not the first token alone: where a
   verification of 2 tokens costs two steps and one of 8 hardly more (unpacked fp32 on many CPUs), a
