@@ -26,9 +26,10 @@ overhead o; this level's proposals cost s per token (measured).
 * **A `Drafter`** (no confidences: n-gram lookups) proposes the length in 1 .. ``maximum`` that
   maximises expected tokens per second from its running acceptance (`rates.best_length`).
 * **Back-off** (`BackOff`): for a level its first-draft gate does not decide, rounds go on while
-  some proposal length is expected to beat the parent decoding alone: (1 + a_1 (1 + alpha + ... + alpha^(l-1))) / (l s + T_v(l + 1)) >
-  1 / (T_v(1) + o) for some l, with a_1 the running acceptance of first tokens and alpha the
-  running acceptance per token (`rates.best_round_rate`). Not the first token alone: where a
+  some proposal length is expected to beat the parent decoding alone:
+  (1 + a_1 (1 + alpha + ... + alpha^(l-1))) / (l s + T_v(l + 1)) > 1 / (T_v(1) + o) for some l,
+  with a_1 the running acceptance of first tokens and alpha the running acceptance per token
+  (`rates.best_round_rate`). Not the first token alone: where a
   verification of 2 tokens costs two steps and one of 8 hardly more (unpacked fp32 on many CPUs), a
   one-token round never pays and a long one does, and `keep_drafting` drafts across that step.
   When no length pays, or when the costs say that not even perfect acceptance could pay, the level
@@ -157,7 +158,8 @@ class CostAwareSchedule:
             return 0
         # the average test (`round_pays`) pauses a level that cannot tell its rounds apart; a level whose
         # first-draft gate decides each round from its confidence there is not also paused by it
-        if not self.backoff.probing and self.rounds >= WARMUP_ROUNDS and not self.gates_rounds and not self.round_pays():
+        if (not self.backoff.probing and self.rounds >= WARMUP_ROUNDS and not self.gates_rounds
+                and not self.round_pays()):
             self.backoff.pause()
             return 0
         if self.gate is not None and self.gate.cap is not None:  # a batch not yet seen to pay: short proposals
