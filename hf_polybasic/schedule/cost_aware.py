@@ -29,9 +29,9 @@ overhead o; this level's proposals cost s per token (measured).
   some proposal length is expected to beat the parent decoding alone:
   (1 + a_1 (1 + alpha + ... + alpha^(l-1))) / (l s + T_v(l + 1)) > 1 / (T_v(1) + o) for some l,
   with a_1 the running acceptance of first tokens and alpha the running acceptance per token
-  (`rates.best_round_rate`). Not the first token alone: where a
-  verification of 2 tokens costs two steps and one of 8 hardly more (unpacked fp32 on many CPUs), a
-  one-token round never pays and a long one does, and `keep_drafting` drafts across that step.
+  (`rates.best_round_rate`). Not the first token alone: where a verification of 2 tokens costs two
+  steps and one of 8 hardly more (unpacked fp32 on many CPUs), a one-token round never pays and a
+  long one does, and `keep_drafting` drafts across that step.
   When no length pays, or when the costs say that not even perfect acceptance could pay, the level
   proposes nothing for a stretch of rounds, then probes. Every
   quantity is a ratio of costs measured on the same curves, or a count of acceptances, so a machine
@@ -209,7 +209,8 @@ class CostAwareSchedule:
         self.gates_rounds = True
         first, later = calibration.acceptance(top), calibration.next_acceptance(top)
         # the first token is drawn already: m tokens cost m - 1 more drafting steps
-        extras = [extra - self.seconds_per_token() for extra in self._extra_seconds(0)]
+        step = self.seconds_per_token()
+        extras = [extra - step for extra in self._extra_seconds(0)]
         pays = worth_more(first / later, later, 1.0, self.verification_seconds(1), extras)
         # a declined round cost a drafter forward for nothing: declined in a row, the level backs off
         self._declined = 0 if pays else self._declined + 1
