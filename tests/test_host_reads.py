@@ -221,7 +221,7 @@ def test_the_waits_counter_sees_the_per_token_reads_of_the_cpus_drafter(shared_m
     target, draft = shared_models.chain("llama", 2, seed=79)
     waits, stats = _waits(target, [draft], 1, hp.PolybasicConfig(compile=True), cache_implementation="static")
     assert stats.levels[1].proposed > 2 * stats.levels[0].forward_passes
-    assert waits.where.get("hf_polybasic.decoding.round:_keep_step", 0) >= stats.levels[1].proposed
+    assert waits.where.get("hf_polybasic.decoding.reads:read", 0) >= stats.levels[1].proposed  # `_keep_step`'s
     assert waits.count > 2 * stats.levels[0].forward_passes + 4
 
 

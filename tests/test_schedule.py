@@ -23,11 +23,13 @@ from helpers import (
 from hf_polybasic.decoding.build import ChainParts
 from hf_polybasic.config import PolybasicConfig
 from hf_polybasic.costs import CostCurves, cost_key
-from hf_polybasic.decoding.round import ModelDrafter
+from hf_polybasic.decoding.round import ModelDrafter, draw_spread
 from hf_polybasic.generation import make_generate
 from hf_polybasic.levels import early_exit
 from hf_polybasic.decoding.protocol import Proposal
 from hf_polybasic.schedule.backoff import MAX_BACKOFF_ROUNDS
+from hf_polybasic.schedule import calibration as calibration_module
+from hf_polybasic.schedule.calibration import BIN_EDGES
 from hf_polybasic.schedule.rates import best_round_rate
 from hf_polybasic.schedule.batch_gate import BLIND_LENGTH, PLAIN_FIRST_ROUNDS
 from hf_polybasic.schedule import batch_gate, cost_aware
@@ -283,6 +285,46 @@ def test_a_round_proposes_at_all_only_where_its_first_top_probability_pays():
     for _ in range(20):
         half.calibration.observe([0.85, 0.1], accepted=1)
     assert half.calibration.next_acceptance(0.85) < 0.2 and half.first_draft_pays(0.85)
+
+
+def test_a_sampled_first_draft_is_priced_over_its_draw_not_its_top():
+    """Sampling draws an unsure token from a flat distribution as often as its mass says: a first
+    position whose top (0.45) is always accepted but which puts 0.55 of its mass on tokens never
+    accepted pays greedy (the draft is the top) and not sampled (`drawn_acceptance` over the spread);
+    a spread that is a point mass prices exactly as the top does."""
+    schedule = CostAwareSchedule(4, 16, per_token=True, verifier_costs=Curve(lambda k: 0.1 if k == 1 else 0.16),
+                                 step_seconds=0.01)
+    for _ in range(20):
+        schedule.calibration.observe([0.45, 0.1], accepted=1)
+        schedule.calibration.observe([0.1], accepted=0)
+    calibration = schedule.calibration
+    spread = [0.0] * (len(BIN_EDGES) + 1)
+    spread[calibration_module._bin(0.1)], spread[calibration_module._bin(0.45)] = 0.55, 0.45
+    point = [0.0] * len(spread)
+    point[calibration_module._bin(0.45)] = 1.0
+    assert calibration.drawn_acceptance(point) == pytest.approx(
+        (calibration.acceptance(0.45), calibration.next_acceptance(0.45)))
+    first, later = calibration.drawn_acceptance(spread)
+    assert first == pytest.approx(0.45 * calibration.acceptance(0.45) + 0.55 * calibration.acceptance(0.1))
+    assert later == pytest.approx(0.45 * calibration.acceptance(0.45) * calibration.next_acceptance(0.45) / first
+                                  + 0.55 * calibration.acceptance(0.1) * calibration.next_acceptance(0.1) / first)
+    assert calibration.drawn_acceptance([2 * mass for mass in spread]) == pytest.approx((first, later))
+    assert schedule.first_draft_pays(0.45) and schedule.first_draft_pays(point)
+    assert not schedule.first_draft_pays(spread)
+    with pytest.raises(ValueError, match="no mass"):
+        calibration.drawn_acceptance([0.0] * len(spread))
+
+
+def test_the_draw_spread_is_the_mass_of_each_calibration_bin():
+    """`draw_spread`: greedy, the top probability; sampling, the distribution's mass per bin, each
+    probability in the bin `calibration` would put a draft of that confidence in (edges included)."""
+    generator = torch.Generator().manual_seed(3)
+    probs = torch.cat([torch.rand(2000, generator=generator), torch.tensor(BIN_EDGES)])  # every bin, and its edges
+    expected = [0.0] * (len(BIN_EDGES) + 1)
+    for value in probs.tolist():
+        expected[calibration_module._bin(value)] += value
+    assert draw_spread(probs, sampled=True).tolist() == pytest.approx(expected, abs=1e-6)
+    assert draw_spread(probs, sampled=False).tolist() == [probs.max().item()]
 
 
 def test_it_backs_off_at_once_when_not_even_perfect_acceptance_could_pay():
@@ -768,24 +810,33 @@ def test_a_batch_that_rows_left_is_priced_again_as_the_smaller_batch_it_is():
 
 
 def _forced_gate(monkeypatch, threshold: float, drawn: bool = False) -> dict:
-    """Every round that stops by confidence proposes only where the gate's probability is at least
-    ``threshold``: the largest of the first position's distribution (as `ModelDrafter` asks), or, for the
-    negative control, the drawn token's own probability. Counts the gate's answers."""
+    """Every round that stops by confidence proposes only where the chance that its first draft's
+    probability is at least 0.2 (the mass of the first position's distribution in the calibration's
+    bins from 0.2 up, `draw_spread`, as `ModelDrafter` asks when sampling) is at least ``threshold``;
+    for the negative control, the gate sees the drawn token's own bin instead (a point mass there).
+    Counts the gate's answers."""
     asked = {"passed": 0, "declined": 0}
 
-    def gate(self, top):
-        asked["passed" if top >= threshold else "declined"] += 1
-        return top >= threshold
+    def gate(self, spread):
+        assert isinstance(spread, list) and len(spread) == len(BIN_EDGES) + 1 and sum(spread) == pytest.approx(1.0)
+        passes = sum(spread[1:]) >= threshold
+        asked["passed" if passes else "declined"] += 1
+        return passes
 
     monkeypatch.setattr(CostAwareSchedule, "first_draft_pays", gate)
     if drawn:
         draw = ModelDrafter.draw
 
-        def drawn_probability(self, *args):
+        def drawn_bin(self, *args):
             made = draw(self, *args)
-            return made if made.confidence is None else dataclasses.replace(made, top=made.confidence)
+            if made.top is None:
+                return made
+            edges = torch.tensor(BIN_EDGES, dtype=made.top.dtype)
+            point = torch.zeros_like(made.top)
+            point[torch.bucketize(made.confidence.reshape(1), edges, right=True)] = 1.0
+            return dataclasses.replace(made, top=point)
 
-        monkeypatch.setattr(ModelDrafter, "draw", drawn_probability)
+        monkeypatch.setattr(ModelDrafter, "draw", drawn_bin)
     return asked
 
 
@@ -799,14 +850,15 @@ def _gated_counts(distribution_models, seed: int):
 @pytest.mark.parametrize("reads", ["host", "device"])
 def test_rounds_declined_by_their_first_top_probability_sample_the_target_distribution(
         reads, request, distribution_models, exact_distribution, monkeypatch):
-    """Rounds that propose only where the drafter's largest probability at their first position is at
-    least 0.25 (`first_draft_pays`, forced so; the tiny models' largest probabilities are 0.22 - 0.28): a property of the distribution, decided before the
-    draw is kept, so sampling stays exact; on the host (`_keep_step`) and where drafts are read with the
-    verifier's decision (`_cut_by_confidence`, the device path)."""
+    """Rounds that propose only where the drafter's distribution at their first position puts enough
+    mass on probabilities of 0.2 and more (`first_draft_pays`, forced so; `_forced_gate`): a property
+    of the distribution, decided before the draw is kept, so sampling stays exact; on the host
+    (`_keep_step`) and where drafts are read with the verifier's decision (`_cut_by_confidence`, the
+    device path)."""
     if reads == "device":
         request.getfixturevalue("drafts_read_with_the_decision")
     monkeypatch.setattr(batch_gate, "PLAIN_FIRST_ROUNDS", 0)
-    asked = _forced_gate(monkeypatch, 0.25)
+    asked = _forced_gate(monkeypatch, 0.55)  # the tiny models put 0.46 - 0.64 of their mass there
     counts, stats = _gated_counts(distribution_models, seed=11)
     assert_every_level_took_part(stats)
     assert asked["passed"] > 0 and asked["declined"] > 0, asked
@@ -816,7 +868,7 @@ def test_rounds_declined_by_their_first_top_probability_sample_the_target_distri
 def test_negative_control_rounds_declined_by_their_drawn_tokens_probability_are_caught(
         distribution_models, exact_distribution, monkeypatch):
     monkeypatch.setattr(batch_gate, "PLAIN_FIRST_ROUNDS", 0)
-    asked = _forced_gate(monkeypatch, 0.25, drawn=True)
+    asked = _forced_gate(monkeypatch, 0.55, drawn=True)
     counts, stats = _gated_counts(distribution_models, seed=11)
     assert_every_level_took_part(stats)
     assert asked["passed"] > 0 and asked["declined"] > 0, asked

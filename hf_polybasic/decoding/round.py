@@ -45,6 +45,7 @@ top-k, top-p or temperature), or nothing for point masses (greedy drafts, n-gram
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -52,8 +53,9 @@ import torch
 from ..drafters import Drafter
 from ..models.vocab_head import NOTHING_TO_SAMPLE
 from ..processing import DecodingRules, process_positions
-from ..runners.transfer import reads_wait
+from ..runners.transfer import reads_wait, upload
 from ..schedule import Schedule, ShapeGate
+from ..schedule.calibration import BIN_EDGES
 from ..schedule.shape_gate import BYPASSED, DROPPED
 from ..stats import LevelStats
 from ..timing import DEFAULT_CLOCK, Clock, DeviceSpan, timed
@@ -459,14 +461,33 @@ class IntermediateLevel(Proposer):
 @dataclass
 class Draw:
     """One token a model drafted for a row, still on the device: the token ``[1]``, the distribution
-    reported for it (``[1, V]`` when sampling, else None), its probability and the distribution's
-    largest when asked, and whether the processed scores it came from had any finite value."""
+    reported for it (``[1, V]`` when sampling, else None), its probability when asked, and whether
+    the processed scores it came from had any finite value; at a round's first position, what its
+    first-draft gate prices (``top``, `draw_spread`)."""
 
     token: torch.LongTensor
     probs: torch.Tensor | None
     confidence: torch.Tensor | None
     valid: torch.Tensor
-    top: torch.Tensor | None = None  # the distribution's largest probability, when asked
+    top: torch.Tensor | None = None  # [1] greedy, [bins] sampling; at a round's first position only
+
+
+@functools.cache
+def _bin_edges(device: torch.device) -> torch.Tensor:
+    """`calibration.BIN_EDGES` on ``device``, uploaded once."""
+    return upload(torch.tensor(BIN_EDGES, dtype=torch.float64), device)
+
+
+def draw_spread(probs: torch.Tensor, sampled: bool) -> torch.Tensor:
+    """What a round's first-draft gate prices (`CostAwareSchedule.first_draft_pays`), from the
+    distribution ``probs`` ``[V]`` the draft comes from: greedy, its largest probability ``[1]`` (the
+    draft's confidence); sampling, its mass in each confidence bin ``[bins]`` (the chance that the
+    drawn token's confidence falls there, `calibration.BIN_EDGES`)."""
+    if not sampled:
+        return probs.max().reshape(1)
+    probs = probs.double()  # as the host compares a confidence read back with the edges
+    bins = torch.bucketize(probs, _bin_edges(probs.device), right=True)  # the bin `calibration` puts it in
+    return torch.zeros(len(BIN_EDGES) + 1, dtype=probs.dtype, device=probs.device).scatter_add_(0, bins, probs)
 
 
 # Where reads wait for the device, a schedule that stops by confidence drafts this many tokens in
@@ -546,7 +567,8 @@ class ModelDrafter(Proposer):
                 if behind > 1:
                     catch_up += forward.seconds * (behind - 1) / behind
                 for row in drafting:
-                    drawn[row].append(self.draw(row, grown[row], logits[row], row in by_confidence))
+                    first = blocks[row].size + len(drawn[row]) == 0
+                    drawn[row].append(self.draw(row, grown[row], logits[row], row in by_confidence, first))
                 if stepwise:
                     drafting = self._keep_step(blocks, drawn, drafting)
                 else:
@@ -585,10 +607,12 @@ class ModelDrafter(Proposer):
             proposals[row] = Proposal(torch.cat([d.token for d in draws]), probs, None, deferred)
         return proposals
 
-    def draw(self, row: int, grown: torch.LongTensor, logits: torch.Tensor, confidence: bool) -> Draw:
+    def draw(self, row: int, grown: torch.LongTensor, logits: torch.Tensor, confidence: bool,
+             first: bool = False) -> Draw:
         """The row's next token, drawn on the device: its processed distribution's argmax, or a sample
-        of it; with ``confidence``, its probability. A position where the processors leave no
-        finite score (a constraint outside what this model proposes) draws nothing valid."""
+        of it; with ``confidence``, its probability, and at a round's ``first`` position what the
+        first-draft gate prices (`draw_spread`). A position where the processors leave no finite
+        score (a constraint outside what this model proposes) draws nothing valid."""
         logits = logits.to(grown.device)  # [1, V]
         scores = process_positions(self.rules[row].processors, grown, grown.shape[0], logits)
         valid = torch.isfinite(scores).any()
@@ -600,27 +624,39 @@ class ModelDrafter(Proposer):
         reported = self.proposal_probs(probs, logits) if self.samples else None
         if not confidence:
             return Draw(token, reported, None, valid)
-        return Draw(token, reported, probs[0, token], valid, probs.max())
+        return Draw(token, reported, probs[0, token], valid, draw_spread(probs[0], self.samples) if first else None)
 
     def _keep_step(self, blocks: dict[int, Block], drawn: dict[int, list[Draw]], rows: list[int]) -> list[int]:
-        """Read the latest draw of every row back (one read for all: token, validity, confidence), add
-        it to the row's block; the rows that draft another."""
+        """Read the latest draw of every row back (one read for all: token, validity, confidence, and
+        at a round's first position what its gate prices), add it to the row's block; the rows that
+        draft another."""
         latest = [drawn[row].pop() for row in rows]
-        values = torch.stack([torch.stack([d.token[0].double(), d.valid.double(), d.confidence.reshape(()).double(),
-                                           d.top.reshape(()).double()]) for d in latest]).tolist()
+        read = HostRead()
+        for row, draw in zip(rows, latest):
+            values = [draw.token[0], draw.valid, draw.confidence.reshape(())]
+            read.add((row, "draw"), torch.stack([value.double() for value in values]))
+            if draw.top is not None:
+                read.add((row, "top"), draw.top)
+        host = read.read()
         going = []
-        for row, draw, (token, valid, confidence, top) in zip(rows, latest, values):
+        for row, draw in zip(rows, latest):
+            token, valid, confidence = host[row, "draw"]
             if not valid:
                 continue
             block = blocks[row]
-            # whether the round proposes at all: from the distribution (its top), never the draw
-            if block.size == 0 and not self._active[row].first_draft_pays(top):
+            # whether the round proposes at all: from the distribution, never the draw
+            if block.size == 0 and not self._active[row].first_draft_pays(self._gate_input(host[row, "top"])):
                 continue
             block.extend(draw.token, draw.probs, ids=[int(token)])
             # the token just drawn is kept whatever it is; only whether to draw another depends on it
             if not block.closed and self._active[row].keep_drafting(confidence):
                 going.append(row)
         return going
+
+    def _gate_input(self, values: list[float]) -> float | list[float]:
+        """What `first_draft_pays` takes, from a `draw_spread` read back: greedy, the top probability;
+        sampling, the mass per confidence bin."""
+        return values if self.samples else values[0]
 
     @staticmethod
     def _pieces(row: int, draws: list[Draw]) -> list[tuple[tuple, torch.Tensor]]:
@@ -633,7 +669,7 @@ class ModelDrafter(Proposer):
                   (("drafts", row, "valid"), torch.stack([d.valid for d in draws]))]
         if draws[0].confidence is not None:
             pieces.append((("drafts", row, "confidences"), torch.stack([d.confidence.reshape(()) for d in draws])))
-            pieces.append((("drafts", row, "tops"), draws[0].top.reshape(1)))
+            pieces.append((("drafts", row, "tops"), draws[0].top))
         return pieces
 
     def _settle(self, blocks: dict[int, Block], drawn: dict[int, list[Draw]], widths: dict[int, int],
@@ -655,13 +691,14 @@ class ModelDrafter(Proposer):
             block.extend(torch.cat([d.token for d in draws[:usable]]),
                          torch.cat([d.probs for d in draws[:usable]]) if self.samples else None, ids=tokens[:usable])
             if draws[0].confidence is not None:
-                self._cut_by_confidence(row, block, host["drafts", row, "confidences"], host["drafts", row, "tops"][0],
-                                        widths[row])
+                self._cut_by_confidence(row, block, host["drafts", row, "confidences"],
+                                        self._gate_input(host["drafts", row, "tops"]), widths[row])
         self._observe(blocks, seconds)
         return {row: block.proposal() for row, block in blocks.items()}
 
-    def _cut_by_confidence(self, row: int, block: Block, confidences: list[float], top: float, width: int) -> None:
-        """Ask the row's schedule whether to propose at all (from the first position's ``top``) and
+    def _cut_by_confidence(self, row: int, block: Block, confidences: list[float], top: float | list[float],
+                           width: int) -> None:
+        """Ask the row's schedule whether to propose at all (from the first position's `draw_spread`) and
         about each kept token in turn, as `_keep_step` would have after drafting it; end the block
         after the first it would not have drafted past."""
         schedule = self._active[row]

@@ -74,6 +74,20 @@ class ConfidenceCalibration:
     def next_acceptance(self, confidence: float) -> float:
         return self._rate(self._next, confidence)
 
+    def drawn_acceptance(self, spread: Sequence[float]) -> tuple[float, float]:
+        """For a draft not drawn yet, whose confidence falls in bin b with probability ``spread[b]``
+        (the mass of its distribution in that bin: sampling draws an unsure token from a flat
+        distribution as often as the mass says, not its top): P(it is accepted), and P(the draft
+        after it is accepted | it was), each the bins' rates averaged over the draw."""
+        total = sum(spread)
+        if total <= 0:
+            raise ValueError(f"a draw's spread over the confidence bins holds no mass: {list(spread)}")
+        accepted = [successes / trials for successes, trials in self._accepted]
+        after = [successes / trials for successes, trials in self._next]
+        first = sum(mass * accepted[index] for index, mass in enumerate(spread))
+        both = sum(mass * accepted[index] * after[index] for index, mass in enumerate(spread))
+        return first / total, both / first
+
     def survival(self, confidences: Sequence[float]) -> float:
         """P(every draft of a round with these confidences is accepted)."""
         value = 1.0

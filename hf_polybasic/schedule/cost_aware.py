@@ -15,10 +15,11 @@ overhead o; this level's proposals cost s per token (measured).
   CPU kernel's row blocks) is crossed when the flat stretch beyond it pays for it. Confident streaks
   (code, copied text) run long, up to ``maximum``; unsure tokens end the proposal; where a
   verification of k tokens costs about k steps the marginal cost is a whole step and proposals stay
-  short. Before a round's first token counts, the bottom drafter asks `first_draft_pays` with the
-  largest probability of its distribution there (not the drawn token's): once the calibration is
-  the pair's own, the round proposes only where some proposal, its first token priced by the
-  calibrated acceptance at that probability, beats the parent decoding the position alone
+  short. Before a round's first token counts, the bottom drafter asks `first_draft_pays` with its
+  distribution there (not the drawn token: greedy, its largest probability; sampling, its mass in
+  each confidence bin, since a flat distribution draws an unsure token as often as its mass says):
+  once the calibration is the pair's own, the round proposes only where some proposal, its first
+  token priced by the calibrated acceptance of that draw, beats the parent decoding the position alone
   (where T_v(2) = 2 T_v(1), an unsure first draft costs a whole step; `DECLINED_ROUNDS` declines in
   a row back the level off, since each cost a drafter forward). A level the gate decides is not
   also paused by the average test below (`gates_rounds`): after a turn's unsure opening that test
@@ -48,6 +49,7 @@ not bit-reproducible from a seed.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol
 
 from .backoff import MAX_BACKOFF_ROUNDS, BackOff
@@ -196,18 +198,22 @@ class CostAwareSchedule:
             self.uncalibrated_answers += 1
         return going
 
-    def first_draft_pays(self, top: float) -> bool:
-        """Whether a model level's round should propose at all, given the largest probability of its
-        distribution at the round's first position (known before the drawn token is kept, so the
-        answer is exact to act on when sampling; greedy, the draft's own confidence): some proposal
-        from there is expected to beat the parent decoding that position alone, the first token priced
-        by the calibrated acceptance at ``top`` (`worth_more` from a round of nothing). Before the
-        calibration is the pair's own, yes."""
+    def first_draft_pays(self, top: float | Sequence[float]) -> bool:
+        """Whether a model level's round should propose at all, given its distribution at the round's
+        first position (known before the drawn token is kept, so the answer is exact to act on when
+        sampling): greedy, its largest probability ``top`` (the draft's own confidence); sampling, its
+        mass in each calibration bin (`ConfidenceCalibration.drawn_acceptance`). Yes where some
+        proposal from there is expected to beat the parent decoding that position alone, the first
+        token priced by the calibrated acceptance of the draft (`worth_more` from a round of nothing).
+        Before the calibration is the pair's own, yes."""
         calibration = self.calibration
         if not calibration.calibrated:
             return True
         self.gates_rounds = True
-        first, later = calibration.acceptance(top), calibration.next_acceptance(top)
+        if isinstance(top, float):
+            first, later = calibration.acceptance(top), calibration.next_acceptance(top)
+        else:
+            first, later = calibration.drawn_acceptance(top)
         # the first token is drawn already: m tokens cost m - 1 more drafting steps
         step = self.seconds_per_token()
         extras = [extra - step for extra in self._extra_seconds(0)]
