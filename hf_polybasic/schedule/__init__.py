@@ -30,6 +30,7 @@ never by a drawn token's value, and verification of each proposed token is exact
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol
 
 from ..config import SCHEDULES
@@ -58,9 +59,10 @@ class Schedule(Protocol):
 
     def keep_drafting(self, confidence: float) -> bool: ...
 
-    def first_draft_pays(self, top: float) -> bool:
-        """Whether a round that stops by confidence proposes at all, from its first position's largest
-        probability (not the drawn token's)."""
+    def first_draft_pays(self, top: float | Sequence[float]) -> bool:
+        """Whether a round that stops by confidence proposes at all, from its first position's
+        distribution (not the drawn token): greedy, its largest probability; sampling, its mass in
+        each confidence bin (`calibration.BIN_EDGES`)."""
         ...
 
     def observe_proposal(self, num_tokens: int, seconds: float) -> None: ...

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 
 class ConstantSchedule:
     """Always the configured length (the paper's static K and mu)."""
@@ -22,7 +24,7 @@ class ConstantSchedule:
     def keep_drafting(self, confidence: float) -> bool:
         return True
 
-    def first_draft_pays(self, top: float) -> bool:
+    def first_draft_pays(self, top: float | Sequence[float]) -> bool:
         return True
 
     def observe_proposal(self, num_tokens: int, seconds: float) -> None:
