@@ -319,7 +319,8 @@ def test_the_draw_spread_is_the_mass_of_each_calibration_bin():
     """`draw_spread`: greedy, the top probability; sampling, the distribution's mass per bin, each
     probability in the bin `calibration` would put a draft of that confidence in (edges included)."""
     generator = torch.Generator().manual_seed(3)
-    probs = torch.cat([torch.rand(2000, generator=generator), torch.tensor(BIN_EDGES)])  # every bin, and its edges
+    probs = torch.cat([torch.rand(2000, generator=generator).double(),  # every bin, and exactly its edges
+                       torch.tensor(BIN_EDGES, dtype=torch.float64)])
     expected = [0.0] * (len(BIN_EDGES) + 1)
     for value in probs.tolist():
         expected[calibration_module._bin(value)] += value
