@@ -329,8 +329,8 @@ class ReportsUnrestricted(ModelDrafter):
     """The bug a translation invites: reporting each shared token's probability within the level's whole
     vocabulary, not within the shared tokens it sampled from (the reported mass sums to less than 1)."""
 
-    def draw(self, row, grown, logits, confidence):
-        drawn = super().draw(row, grown, logits, confidence)
+    def draw(self, row, grown, logits, *args):
+        drawn = super().draw(row, grown, logits, *args)
         drawn.probs = drawn.probs * self.runner.inside[row].to(drawn.probs.device)
         return drawn
 

@@ -268,12 +268,12 @@ class UnrestrictedReportDrafter(ModelDrafter):
     """The bug a restricted drafter must not have: it samples from the restricted processed
     distribution (S = the first KEEP ids) but reports the unrestricted one as q."""
 
-    def draw(self, row, grown, logits, confidence):
+    def draw(self, row, grown, logits, *args):
         logits = logits.to(grown.device)
         self._unrestricted = process_positions(self.rules[row].processors, grown, grown.shape[0], logits).softmax(-1)
         restricted = logits.clone()
         restricted[..., KEEP:] = float("-inf")
-        return super().draw(row, grown, restricted, confidence)
+        return super().draw(row, grown, restricted, *args)
 
     def proposal_probs(self, probs, logits):
         return self._unrestricted
