@@ -286,11 +286,11 @@ def build_chain(
                                                per_token=False)
         level = parts.drafter_level(models[bottom], rules, stats.levels[bottom], clock, schedules[bottom])
     else:
-        schedules[bottom] = made.for_level(config.num_draft_tokens, MAX_DRAFT_TOKENS, links[bottom - 1].share,
-                                           bottom == 1, step_seconds=links[bottom].step(count),
-                                           pair=(models[bottom], models[bottom - 1]))
         # below a greedy intermediate level, sampled drafts would only lower its acceptance
         samples = do_sample and not (config.verification == "greedy" and bottom > 1)
+        schedules[bottom] = made.for_level(config.num_draft_tokens, MAX_DRAFT_TOKENS, links[bottom - 1].share,
+                                           bottom == 1, step_seconds=links[bottom].step(count),
+                                           pair=(models[bottom], models[bottom - 1]), sampled=samples)
         level = parts.model_drafter(links[bottom].runner, rules, stats.levels[bottom], schedules[bottom], samples, clock)
     # a PromptLookup the config added below the bottom model (drafting K tokens, `with_prompt_lookup`):
     # that model is an intermediate level now, with the config's last mu
@@ -305,11 +305,12 @@ def build_chain(
         # forward, so it does not rule the level out up front)
         schedules[index] = made.for_level(thresholds[index - 1], MAX_BLOCK_THRESHOLD, links[index - 1].share,
                                           index == 1, step_seconds=links[index].step(count), static_check=False,
-                                          pair=(models[index], models[index - 1]))
+                                          pair=(models[index], models[index - 1]),
+                                          sampled=do_sample if index == 1 else samples)
         shape = {}
         if index == bottom - 1 and all(link.estimate is not None for link in links[index - 1 : bottom + 1]):
             shape = _shape_gate(links[index - 1 : bottom + 1], index == 1, made, config, parts, rules,
-                                stats.levels[index], samples, clock, count)
+                                stats.levels[index], samples, clock, count, do_sample)
             shape_gates[index] = shape["shape_gate"]
         level = parts.intermediate(verifier, schedules[index], clock, **shape)
     top = parts.verifier(links[0].runner, level, rules, stats.levels[0], do_sample, clock)
@@ -318,19 +319,23 @@ def build_chain(
 
 
 def _shape_gate(links: list[_Link], under_target: bool, made: RowSchedules, config: PolybasicConfig,
-                parts: ChainParts, rules, stats: LevelStats, samples: bool, clock: Clock, rows: int) -> dict:
+                parts: ChainParts, rules, stats: LevelStats, samples: bool, clock: Clock, rows: int,
+                do_sample: bool = False) -> dict:
     """What a middle level right above a model drafter takes for its shape gate (``links``: the level
     above, the middle, the drafter). It takes part only while Theorem 3.2 says it pays; when bypassed, the
     drafter proposes to the level above under schedules priced by that level's costs; and the drafter only
     while the middle model drafting alone to the level above is not faster: then that model drafts under
     schedules priced by the level above's costs, with a calibration of its own (kept for this chain:
-    `calibration.remembered`, ``within``)."""
+    `calibration.remembered`, ``within``). ``samples``: intermediate levels verify by sampling;
+    ``do_sample``: the target does."""
     above, middle, drafter = links
+    sampled = do_sample if under_target else samples  # how the level above accepts
     level_costs = (above.share.seconds, middle.share.seconds, drafter.share.seconds)
     drop_schedules = made.for_level(config.num_draft_tokens, MAX_DRAFT_TOKENS, above.share, under_target,
                                     step_seconds=middle.step(rows), pair=(middle.model, above.model),
-                                    within=(drafter.model,))
+                                    within=(drafter.model,), sampled=sampled)
     return dict(shape_gate=ShapeGate(level_costs, models=(above.model, middle.model, drafter.model), drops=True),
                 bypass_schedules=made.for_level(config.num_draft_tokens, MAX_DRAFT_TOKENS, above.share, under_target,
-                                                step_seconds=drafter.step(rows), pair=(drafter.model, above.model)),
+                                                step_seconds=drafter.step(rows), pair=(drafter.model, above.model),
+                                                sampled=sampled),
                 drop_drafter=parts.model_drafter(middle.runner, rules, stats, drop_schedules, samples, clock))

@@ -45,17 +45,19 @@ class RowSchedules:
 
     def for_level(self, initial: int, maximum: int, verifier_costs, under_target: bool, per_token: bool = True,
                   step_seconds: float | None = None, static_check: bool = True, pair: tuple | None = None,
-                  within: tuple = ()) -> dict:
+                  within: tuple = (), sampled: bool = False) -> dict:
         """Each row's schedule of one level (see `make_schedule` for ``initial``, ``maximum``,
         ``per_token``, ``verifier_costs``, ``step_seconds``, ``static_check``). ``pair``: the
         (proposing, verifying) models whose calibration carries over between calls, and ``within``
-        the models that key it further; None for a `Drafter`, which has none."""
+        the models that key it further; None for a `Drafter`, which has none. ``sampled``: the
+        verifying level accepts by speculative sampling (its calibration is learned and kept apart
+        from greedy calls', `ConfidenceCalibration`)."""
         calibrated = pair is not None and self.kind == "cost_aware"
         made = {
             row: make_schedule(self.kind, initial, maximum, per_token=per_token, verifier_costs=verifier_costs,
                                step_seconds=step_seconds, static_check=static_check,
                                gate=self.gate if under_target else None,
-                               calibration=calibrations.remembered.start(*pair, within) if calibrated else None)
+                               calibration=calibrations.remembered.start(*pair, within, sampled) if calibrated else None)
             for row in self.rows
         }
         if calibrated:
