@@ -212,6 +212,99 @@ def test_a_chain_keeps_its_levels_calibrations_for_the_next_call(monkeypatch):
     assert carried._accepted != calibration_module.ConfidenceCalibration()._accepted
 
 
+def test_greedy_and_sampled_calls_of_a_pair_learn_apart(monkeypatch):
+    """Sampled acceptance at a confidence is not greedy's (the verifier's probability of the drawn token,
+    not argmax agreement): each mode carries its own tables, and keeping one mode's keeps the other's.
+    A chain marks each pair by how its verifier accepts: with `verification="greedy"` the drafter's
+    drafts to the middle level are matched greedily while the middle level's to the target are sampled."""
+    memory = calibration_module._Remembered()
+    drafter, target = torch.nn.Linear(1, 1), torch.nn.Linear(1, 1)
+    sampled = memory.start(drafter, target, sampled=True)
+    assert sampled.sampled and not memory.start(drafter, target).sampled
+    for _ in range(200):
+        sampled.observe([0.3, 0.3, 0.3], accepted=3)
+    memory.keep(drafter, target, sampled)
+    assert memory.start(drafter, target, sampled=True).acceptance(0.3) > 0.95
+    assert memory.start(drafter, target).acceptance(0.3) == pytest.approx(0.65)  # greedy: still the prior
+    memory.keep(drafter, target, memory.start(drafter, target))  # greedy's kept beside sampled's
+    assert memory.start(drafter, target, sampled=True).acceptance(0.3) > 0.95
+
+    monkeypatch.setattr(calibration_module, "remembered", memory)
+    target, middle, draft = make_chain("llama", depth=3, seed=4)
+    with simulated_machine(cheap_drafting_costs(target, [middle, draft])) as generate:
+        target.generate(prompt(6, seed=2), custom_generate=generate, assistant_models=[middle, draft],
+                        polybasic_config=PolybasicConfig(verification="greedy"), do_sample=True, max_new_tokens=8)
+    modes = {pair: set(memory._tables.get(pair)) for pair in [(draft, middle), (middle, target), (draft, target)]}
+    assert modes == {(draft, middle): {False}, (middle, target): {True}, (draft, target): {True}}
+    assert set(memory._tables.get((middle, target, draft))) == {True}  # the middle drafting alone to the target
+
+
+def _penalised_likelihood(calibration, seen, shift):
+    """What a sampled `ConfidenceCalibration`'s shift maximises, written out: ``seen`` (this call's
+    revealed drafts, {(table, bin): (accepted, revealed)}) under each bin's rate moved by ``shift`` on
+    the logit scale, less SHIFT_PENALTY shift^2 / 2."""
+    import math
+
+    value = -calibration_module.SHIFT_PENALTY * shift**2 / 2
+    for (table, index), (successes, trials) in seen.items():
+        total, weight = (calibration._accepted, calibration._next)[table][index]
+        p = 1 / (1 + math.exp(-(math.log(total / (weight - total)) + shift)))
+        value += successes * math.log(p) + (trials - successes) * math.log(1 - p)
+    return value
+
+
+def test_a_sampled_calibration_follows_a_text_that_agrees_less_down_in_every_bin():
+    """A sampled call whose drafts of confidence 0.85 are accepted a third of the time where the carried
+    tables say 0.9 moves both curves down in every bin, those it has not seen yet too (prose after code), by the
+    shift that maximises its drafts' penalised likelihood; the first-draft gate then declines a round it
+    drafted before. A greedy calibration taught the same keeps its other bins, and a text that agrees
+    more than the tables leaves a sampled calibration's curves where its bins put them (no shift up)."""
+    memory = calibration_module._Remembered()
+    drafter, target = torch.nn.Linear(1, 1), torch.nn.Linear(1, 1)
+    for sampled in (False, True):
+        carried = memory.start(drafter, target, sampled=sampled)
+        for _ in range(10):  # code: 0.8 of the drafts of confidence 0.5 accepted, 0.9 of those of 0.85
+            for accepted in (1, 1, 1, 1, 0):
+                carried.observe([0.5], accepted=accepted)
+            for accepted in (1,) * 9 + (0,):
+                carried.observe([0.85], accepted=accepted)
+        memory.keep(drafter, target, carried)
+    curve = Curve(lambda k: 0.1 if k == 1 else 0.25)  # a proposal costs the target 2.5 steps
+    schedules = {}
+    for sampled in (False, True):
+        schedule = CostAwareSchedule(4, 16, per_token=True, verifier_costs=curve, step_seconds=0.01,
+                                     calibration=memory.start(drafter, target, sampled=sampled))
+        before = schedule.calibration.acceptance(0.5), schedule.calibration.next_acceptance(0.5)
+        assert schedule.first_draft_pays(0.5)
+        for _ in range(6):  # prose: a third of the confident drafts accepted, and none after another
+            schedule.calibration.observe([0.85, 0.85], accepted=1)
+            schedule.calibration.observe([0.85], accepted=0)
+        schedules[sampled] = schedule, before
+    greedy, before = schedules[False]
+    assert greedy.calibration.shift == 0.0
+    assert (greedy.calibration.acceptance(0.5), greedy.calibration.next_acceptance(0.5)) == before
+    assert greedy.first_draft_pays(0.5)
+    sampled, before = schedules[True]
+    calibration = sampled.calibration
+    assert calibration.shift < -0.5
+    assert calibration.acceptance(0.5) < before[0] - 0.1 and calibration.next_acceptance(0.5) < before[1] - 0.1
+    seen = {(0, calibration_module._bin(0.85)): (6, 18), (1, calibration_module._bin(0.85)): (0, 6)}
+    for step in (0.01, -0.01):
+        assert (_penalised_likelihood(calibration, seen, calibration.shift)
+                > _penalised_likelihood(calibration, seen, calibration.shift + step))
+    point = [0.0] * (len(BIN_EDGES) + 1)
+    point[calibration_module._bin(0.5)] = 1.0
+    assert calibration.drawn_acceptance(point) == pytest.approx(
+        (calibration.acceptance(0.5), calibration.next_acceptance(0.5)))
+    assert not sampled.first_draft_pays(0.5) and not sampled.first_draft_pays(point)
+
+    agreeing = memory.start(drafter, target, sampled=True)
+    for _ in range(20):
+        agreeing.observe([0.5, 0.5, 0.5], accepted=3)
+    seen = {(0, calibration_module._bin(0.5)): (60, 60), (1, calibration_module._bin(0.5)): (40, 40)}
+    assert agreeing.shift == 0.0 and _penalised_likelihood(agreeing, seen, 0.1) > _penalised_likelihood(agreeing, seen, 0)
+
+
 def _drafted_lengths(schedule, confidences, rounds=6, verify=0.1):
     """Run ``rounds`` rounds in which every draft (of the given confidences, in turn) is accepted;
     the drafted lengths."""
