@@ -95,17 +95,16 @@ class ConfidenceCalibration:
         rather than the prior's: `CALIBRATED_OBSERVATIONS`."""
         return self.observations + self.carried >= CALIBRATED_OBSERVATIONS
 
-    def _rates(self, table: list) -> list[float]:
-        """Each bin's rate, moved by the call's `shift`."""
-        return [_shifted(successes / trials, self.shift) for successes, trials in table]
+    def _rate(self, cell: list) -> float:
+        """A bin's rate, moved by the call's `shift`."""
+        successes, trials = cell
+        return _shifted(successes / trials, self.shift)
 
     def acceptance(self, confidence: float) -> float:
-        successes, trials = self._accepted[_bin(confidence)]
-        return _shifted(successes / trials, self.shift)
+        return self._rate(self._accepted[_bin(confidence)])
 
     def next_acceptance(self, confidence: float) -> float:
-        successes, trials = self._next[_bin(confidence)]
-        return _shifted(successes / trials, self.shift)
+        return self._rate(self._next[_bin(confidence)])
 
     def drawn_acceptance(self, spread: Sequence[float]) -> tuple[float, float]:
         """For a draft not drawn yet, whose confidence falls in bin b with probability ``spread[b]``
@@ -115,7 +114,7 @@ class ConfidenceCalibration:
         total = sum(spread)
         if total <= 0:
             raise ValueError(f"a draw's spread over the confidence bins holds no mass: {list(spread)}")
-        accepted, after = self._rates(self._accepted), self._rates(self._next)
+        accepted, after = [self._rate(cell) for cell in self._accepted], [self._rate(cell) for cell in self._next]
         first = sum(mass * accepted[index] for index, mass in enumerate(spread))
         both = sum(mass * accepted[index] * after[index] for index, mass in enumerate(spread))
         return first / total, both / first
