@@ -3,8 +3,8 @@
 
 ``bench`` (`benchmarks.bench`), ``gpu-bench`` (`benchmarks.gpu_bench`), ``batches``
 (`benchmarks.batch_bench`), ``levels`` (`benchmarks.levels_table`), ``vocab-coverage``
-(`benchmarks.vocab_coverage`), ``rollback-cost`` (`benchmarks.rollback_cost`) and ``trained-head``
-(`benchmarks.trained_head`). Each command's module is imported only when it runs.
+(`benchmarks.vocab_coverage`), ``rollback-cost`` (`benchmarks.rollback_cost`), ``stopping-replay``
+(`benchmarks.stopping_replay`) and ``trained-head`` (`benchmarks.trained_head`). Each command's module is imported only when it runs.
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ from .gpu_bench import add_gpu_bench_parser
 from .trained_head import add_trained_head_parser
 
 # the order in which they are registered; hf_polybasic.cli.main.BENCHMARK_COMMANDS names the same
-COMMANDS = ("levels", "vocab-coverage", "batches", "rollback-cost", "bench", "gpu-bench", "trained-head")
+COMMANDS = ("levels", "vocab-coverage", "batches", "rollback-cost", "stopping-replay", "bench", "gpu-bench",
+            "trained-head")
 
 
 def _levels(args: argparse.Namespace) -> int:
@@ -51,6 +52,15 @@ def _rollback_cost(args: argparse.Namespace) -> int:
 
     ks = [int(k) for k in args.ks.split(",")]
     print(run_rollback_cost(args.tiny, args.layers, ks, args.repeats, args.out, args.threads))
+    return 0
+
+
+def _stopping_replay(args: argparse.Namespace) -> int:
+    from .stopping_replay import run_stopping_replay
+
+    categories = args.categories.split(",") if args.categories else None
+    print(run_stopping_replay(args.models, args.target_dtype, args.question_file, categories, args.questions_per_group,
+                              args.max_new_tokens, args.depth, args.out, args.pack_target, args.streams), end="")
     return 0
 
 
@@ -107,6 +117,22 @@ def add_benchmark_parsers(commands) -> None:
     rollback.add_argument("--out", default=None, help="directory for rollback_cost.json and rollback_cost.md")
     rollback.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     rollback.set_defaults(handler=_rollback_cost)
+
+    replay = commands.add_parser(
+        "stopping-replay", help="rules that stop drafting by confidence (transformers', ours, every threshold, the "
+        "hindsight oracle) replayed along the target's greedy answers with this machine's measured costs")
+    replay.add_argument("--models", choices=["qwen", "tiny"], default="qwen")
+    replay.add_argument("--target-dtype", choices=["fp32", "bf16"], default="fp32")
+    replay.add_argument("--pack-target", action="store_true", help="the target's linear layers packed (its costs)")
+    replay.add_argument("--question-file", default=None, help="a Spec-Bench question.jsonl (default: the shipped set)")
+    replay.add_argument("--categories", default=None, help="comma-separated categories of the question file")
+    replay.add_argument("--questions-per-group", type=int, default=3)
+    replay.add_argument("--max-new-tokens", type=int, default=64)
+    replay.add_argument("--depth", type=int, default=24, help="tokens the drafter drafts at every position")
+    replay.add_argument("--out", default=None, help="directory for streams.jsonl, summary.json and results.md")
+    replay.add_argument("--streams", default=None, help="the streams.jsonl of an earlier run: replayed again with costs "
+                        "measured now, the models not run on the questions")
+    replay.set_defaults(handler=_stopping_replay)
 
     add_bench_parser(commands)
     add_gpu_bench_parser(commands)

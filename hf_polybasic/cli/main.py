@@ -20,6 +20,7 @@ BENCHMARK_COMMANDS = {
     "vocab-coverage": "share of tokens a restricted drafter vocabulary holds",
     "batches": "batched decoding, ours against plain batched generate",
     "rollback-cost": "what rolling back a hybrid model's recurrent state costs",
+    "stopping-replay": "confidence stopping rules replayed along the target's greedy answers, measured costs",
     "bench": "Spec-Bench-style benchmark",
     "gpu-bench": "the engine on a GPU against plain and assisted generate",
     "trained-head": "train a head on the demo's target (train-head), then time it against the 0.5B drafter",

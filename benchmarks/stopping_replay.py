@@ -1,0 +1,316 @@
+"""``stopping-replay``: how far a rule that stops drafting by the drafter's confidence can go on given
+prompts, with the costs measured on this machine: transformers' rule (draft while the last token's
+confidence is at least 0.4, up to 20), ours (the default `CostAwareSchedule`, its calibration carried
+from prompt to prompt as in decoding), the best fixed threshold and cap in hindsight, and the hindsight
+oracle (each round drafts exactly the tokens the target will accept).
+
+For each prompt the target decodes greedily (plain ``generate``); at every position of its output the
+drafter drafts ``depth`` tokens greedily from the target's own prefix, recording its confidence in each
+(its largest probability) and how many match the target's continuation (``matches``): a `Stream`.
+Along that path a rule is replayed without running the models again (`replay`): a round at position p
+that drafts k tokens accepts min(m_p, k), emits those and the target's next token, and costs k drafting
+steps plus one verification of k + 1 tokens (`Costs`: the target's measured T(k + 1), the drafter's
+measured T(1) a step). Greedy only: along the target's path a draft's fate is known without the target.
+What it leaves out: per-round overheads (the same for every rule) and the drafter's catch-up forwards.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from hf_polybasic.compat import cache_argument, new_dynamic_cache, remove_last_tokens
+from hf_polybasic.config import MAX_DRAFT_TOKENS
+from hf_polybasic.costs import CostCurve, measure_curve
+from hf_polybasic.schedule.factory import RowSchedules
+
+# transformers' defaults for an assistant model: up to 20 tokens, stop after a token below 0.4
+TRANSFORMERS_RULE = (0.4, 20)
+THRESHOLDS = (0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
+CAPS = (4, 8, 12, 16, 20, 24)
+
+
+@dataclass
+class Stream:
+    """The drafter's view of one greedy continuation of the target: at position p, ``matches[p]``
+    (how many of its ``depth`` greedy drafts from the target's prefix equal the target's next tokens)
+    and ``confidences[p]`` (its largest probability at each of those drafts)."""
+
+    matches: list[int]
+    confidences: list[list[float]]
+
+    @property
+    def tokens(self) -> int:
+        return len(self.matches)
+
+
+@dataclass
+class Costs:
+    """T(k) of the target (``verify``) and one drafting step (``step``), in seconds."""
+
+    verify: CostCurve
+    step: float
+
+    def round_seconds(self, drafted: int, forwards: int) -> float:
+        """A round of ``forwards`` drafting steps whose ``drafted`` tokens the target verifies."""
+        return forwards * self.step + self.verify.seconds(drafted + 1)
+
+
+@torch.no_grad()
+def drafter_stream(target, drafter, input_ids: torch.LongTensor, new_tokens: int, depth: int,
+                   **generate_options) -> tuple[Stream, torch.LongTensor]:
+    """`Stream` of ``drafter`` along ``target``'s greedy continuation of ``input_ids`` (``[1, L]``, plain
+    ``generate`` with ``generate_options``), and that continuation ``[n]``."""
+    prompt = input_ids.shape[1]
+    output = target.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=new_tokens,
+                             **{**generate_options, "do_sample": False})[0, prompt:]
+    cache = new_dynamic_cache(drafter)
+    feed = {cache_argument(drafter): cache, "use_cache": True}
+    logits = drafter(input_ids, **feed).logits[0, -1]
+    matches, confidences = [], []
+    for position in range(output.shape[0]):
+        drafted, sure = [], []
+        next_logits = logits
+        for index in range(depth):
+            confidence, token = next_logits.float().softmax(-1).max(-1)
+            drafted.append(int(token))
+            sure.append(round(float(confidence), 4))
+            if index + 1 < depth:
+                next_logits = drafter(token.view(1, 1), **feed).logits[0, -1]
+        # forget the drafts: the cache holds the prompt and the output so far
+        remove_last_tokens(cache, depth - 1)
+        ahead = output[position : position + depth].tolist()
+        matched = 0
+        while matched < len(ahead) and drafted[matched] == ahead[matched]:
+            matched += 1
+        matches.append(matched)
+        confidences.append(sure)
+        logits = drafter(output[position].view(1, 1), **feed).logits[0, -1]
+    return Stream(matches, confidences), output
+
+
+class Rule:
+    """Where a round's drafts stop: ``rule(stream, position, budget)`` is the number of tokens to draft;
+    ``extra_forwards``: drafting steps its last round ran beyond those (a round that ran the drafter and
+    then drafted nothing); `observe`, `start` and `finish` let a rule learn, as a schedule does."""
+
+    extra_forwards = 0
+
+    def __call__(self, stream: Stream, position: int, budget: int) -> int:
+        raise NotImplementedError
+
+    def observe(self, drafted: int, accepted: int, costs: Costs) -> None:
+        pass
+
+    def start(self) -> None:
+        pass
+
+    def finish(self) -> None:
+        pass
+
+
+class Threshold(Rule):
+    """Draft while the last drafted token's confidence is at least ``threshold``, at most ``cap``
+    tokens (the token below the threshold is kept: transformers' ``assistant_confidence_threshold``)."""
+
+    def __init__(self, threshold: float, cap: int):
+        self.threshold, self.cap = threshold, cap
+
+    def __call__(self, stream: Stream, position: int, budget: int) -> int:
+        confidences = stream.confidences[position]
+        limit = min(self.cap, budget, len(confidences))
+        for index, confidence in enumerate(confidences[:limit]):
+            if confidence < self.threshold:
+                return index + 1
+        return limit
+
+
+class Schedule(Rule):
+    """The package's default schedule of a model drafter right under the target, priced by ``costs``;
+    its calibration carries from one prompt to the next (`start`, `finish`) as between calls."""
+
+    def __init__(self, costs: Costs, initial: int = 4, maximum: int = MAX_DRAFT_TOKENS):
+        self.costs, self.initial, self.maximum = costs, initial, maximum
+        self._pair = (_Key(), _Key())  # this replay's own calibration memory
+        self.schedule = self._made = None
+
+    def start(self) -> None:
+        self._made = RowSchedules("cost_aware", [0])
+        self.schedule = self._made.for_level(self.initial, self.maximum, _Verifier(self.costs.verify), True,
+                                             step_seconds=self.costs.step, pair=self._pair)[0]
+
+    def finish(self) -> None:
+        self._made.keep_learned()
+
+    def __call__(self, stream: Stream, position: int, budget: int) -> int:
+        schedule, confidences = self.schedule, stream.confidences[position]
+        limit = min(schedule.length(), budget, len(confidences))
+        if limit == 0:
+            return 0
+        if not schedule.first_draft_pays(confidences[0]):
+            self.extra_forwards = 1  # the drafter ran to see its first distribution, then drafted nothing
+            return 0
+        drafted = 0
+        for confidence in confidences[:limit]:
+            drafted += 1
+            if not schedule.keep_drafting(confidence):
+                break
+        return drafted
+
+    def observe(self, drafted: int, accepted: int, costs: Costs) -> None:
+        if drafted:
+            self.schedule.observe_proposal(drafted, drafted * costs.step)
+        self.schedule.observe_verification(drafted, accepted, costs.verify.seconds(drafted + 1))
+
+
+class Oracle(Rule):
+    """Draft exactly the tokens the target will accept (hindsight)."""
+
+    def __call__(self, stream: Stream, position: int, budget: int) -> int:
+        return min(stream.matches[position], budget)
+
+
+class _Key:
+    """A weakly referable stand-in for a model in the calibration memory."""
+
+
+@dataclass
+class _Verifier:
+    curve: CostCurve
+    last_seconds: float | None = None
+
+    def seconds(self, tokens: float) -> float:
+        return self.curve.seconds(tokens)
+
+
+@dataclass
+class Replayed:
+    """What a rule did along some streams: tokens emitted, seconds, target forwards and drafted tokens."""
+
+    tokens: int = 0
+    seconds: float = 0.0
+    rounds: int = 0
+    drafted: int = 0
+    per_stream: list[float] = field(default_factory=list)  # tokens per second of each stream
+
+    @property
+    def rate(self) -> float:
+        return self.tokens / self.seconds
+
+
+def replay(streams: Iterable[Stream], rule: Rule, costs: Costs) -> Replayed:
+    """Replay ``rule`` along each stream in turn (`Stream`, `Costs`): a round at position p drafts
+    ``rule(stream, p, budget)`` tokens, accepts min(matches[p], drafted) and emits one more;
+    ``budget`` keeps the round within the stream. A round costs a drafting step per drafted token, and
+    one more where the rule ran the drafter and then drafted nothing (`Rule.extra_forwards`)."""
+    result = Replayed()
+    for stream in streams:
+        rule.start()
+        position, seconds = 0, 0.0
+        while position < stream.tokens:
+            drafted = rule(stream, position, stream.tokens - position - 1)
+            accepted = min(stream.matches[position], drafted)
+            seconds += costs.round_seconds(drafted, drafted + rule.extra_forwards)
+            rule.extra_forwards = 0
+            rule.observe(drafted, accepted, costs)
+            position += accepted + 1
+            result.rounds += 1
+            result.drafted += drafted
+        rule.finish()
+        result.tokens += stream.tokens
+        result.seconds += seconds
+        result.per_stream.append(stream.tokens / seconds)
+    return result
+
+
+def compare(streams: Sequence[Stream], costs: Costs) -> dict:
+    """Every rule along ``streams``: speed over plain decoding (1 / T(1)) and over transformers' rule.
+    Ours runs the streams twice and counts the second pass (its calibration carried, as after warm-up)."""
+    plain = 1.0 / costs.verify.seconds(1)
+    rules: dict[str, Callable[[], Rule]] = {
+        "transformers (0.4, up to 20)": lambda: Threshold(*TRANSFORMERS_RULE),
+        "ours (CostAwareSchedule)": lambda: Schedule(costs),
+        "oracle (hindsight)": Oracle,
+    }
+    rows = {}
+    for name, make in rules.items():
+        rule = make()
+        if isinstance(rule, Schedule):
+            replay(streams, rule, costs)  # warm-up: the calibration a bench's earlier calls leave
+        rows[name] = replay(streams, rule, costs)
+    best = max(((replay(streams, Threshold(t, c), costs), t, c) for t in THRESHOLDS for c in CAPS),
+               key=lambda item: item[0].rate)
+    rows[f"best threshold in hindsight ({best[1]}, up to {best[2]})"] = best[0]
+    reference = rows["transformers (0.4, up to 20)"].rate
+    return {name: {"x_plain": row.rate / plain, "x_transformers": row.rate / reference,
+                   "tokens_per_round": row.tokens / row.rounds, "drafted_per_round": row.drafted / row.rounds}
+            for name, row in rows.items()}
+
+
+def save_streams(path: Path, named: dict[str, Stream]) -> None:
+    path.write_text("".join(json.dumps({"name": name, "matches": s.matches, "confidences": s.confidences}) + "\n"
+                            for name, s in named.items()))
+
+
+def load_streams(path: Path) -> dict[str, Stream]:
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return {row["name"]: Stream(row["matches"], row["confidences"]) for row in rows}
+
+
+def run_stopping_replay(models: str, target_dtype: str, question_file: str | None, categories: Sequence[str] | None,
+                        questions_per_group: int | None, max_new_tokens: int, depth: int, out: str | None,
+                        pack_target: bool = False, streams: str | None = None) -> str:
+    """Streams of the model set's drafter along its target's greedy answers to the chosen questions (every
+    turn, each after the target's own earlier answers, as the benchmark's chats; or the ``streams`` file of
+    an earlier run), the target's cost curve and the drafter's step measured here, and every rule compared
+    (`compare`); the table as markdown, and with ``out``: ``streams.jsonl``, ``summary.json`` and
+    ``results.md`` there."""
+    from hf_polybasic.cli.model_sets import build_model_set
+    from hf_polybasic.cli.prompts import encode, messages_for
+    from hf_polybasic.costs import machine_description
+
+    from .bench.runner import load_questions
+    from .bench.settings import BenchSettings
+
+    settings = BenchSettings(models=models, target_dtype=target_dtype, question_file=question_file,
+                             categories=tuple(categories) if categories else None,
+                             questions_per_group=questions_per_group, max_new_tokens=max_new_tokens)
+    questions, _ = load_questions(settings)
+    model_set = build_model_set(models, {"draft"}, target_dtype, pack_target=pack_target)
+    target, drafter = model_set.target, model_set.pool["draft"]
+    named = {} if streams is None else load_streams(Path(streams))
+    for question in questions if streams is None else ():
+        answers: list[str] = []
+        for turn in range(len(question.turns)):
+            inputs, _ = encode(model_set, messages_for(question, turn, answers), max_new_tokens)
+            stream, output = drafter_stream(target, drafter, inputs["input_ids"], max_new_tokens, depth,
+                                            **model_set.generate_options)
+            named[f"{question.question_id}/{turn}"] = stream
+            answers.append(model_set.tokenizer.decode(output, skip_special_tokens=True))
+    costs = Costs(measure_curve(target, tokens=range(1, depth + 2)),
+                  measure_curve(drafter, tokens=(1,)).seconds(1))
+    table = compare(list(named.values()), costs)
+    machine = machine_description(target)
+    lines = [f"Drafter `{model_set.labels['draft']}`, target `{model_set.labels.get('target', models)}` "
+             f"({target_dtype}{', packed' if pack_target else ''}), {len(named)} turns ({', '.join(named)}), "
+             f"{max_new_tokens} new tokens, drafts {len(next(iter(named.values())).confidences[0])} deep; T(1) {costs.verify.seconds(1):.3f} s, "
+             f"T(17) {costs.verify.seconds(17):.3f} s, a drafting step {costs.step:.3f} s; "
+             f"CPU {machine.get('cpu')}, flags {', '.join(machine.get('cpu_flags', []))}.",
+             "", "| rule | x plain | x transformers' | tokens per target forward | drafted per round |",
+             "|---|---|---|---|---|"]
+    lines += [f"| {name} | {row['x_plain']:.2f}x | {row['x_transformers']:.3f}x | {row['tokens_per_round']:.2f} | "
+              f"{row['drafted_per_round']:.2f} |" for name, row in table.items()]
+    text = "\n".join(lines) + "\n"
+    if out is not None:
+        directory = Path(out)
+        directory.mkdir(parents=True, exist_ok=True)
+        save_streams(directory / "streams.jsonl", named)
+        (directory / "summary.json").write_text(json.dumps(
+            {"table": table, "costs": {"verify": costs.verify.points, "step": costs.step}, "machine": machine,
+             "turns": list(named)}, indent=1, default=str) + "\n")
+        (directory / "results.md").write_text(text)
+    return text
