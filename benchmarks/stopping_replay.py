@@ -299,7 +299,7 @@ def run_stopping_replay(models: str, target_dtype: str, question_file: str | Non
              f"({target_dtype}{', packed' if pack_target else ''}), {len(named)} turns ({', '.join(named)}), "
              f"{max_new_tokens} new tokens, drafts {len(next(iter(named.values())).confidences[0])} deep; T(1) {costs.verify.seconds(1):.3f} s, "
              f"T(17) {costs.verify.seconds(17):.3f} s, a drafting step {costs.step:.3f} s; "
-             f"CPU {machine.get('cpu')}, flags {', '.join(machine.get('cpu_flags', []))}.",
+             f"CPU {machine.get('cpu')} ({machine.get('class')}), flags {', '.join(machine.get('cpu_flags', []))}.",
              "", "| rule | x plain | x transformers' | tokens per target forward | drafted per round |",
              "|---|---|---|---|---|"]
     lines += [f"| {name} | {row['x_plain']:.2f}x | {row['x_transformers']:.3f}x | {row['tokens_per_round']:.2f} | "
