@@ -4,7 +4,8 @@
 ``bench`` (`benchmarks.bench`), ``gpu-bench`` (`benchmarks.gpu_bench`), ``batches``
 (`benchmarks.batch_bench`), ``levels`` (`benchmarks.levels_table`), ``vocab-coverage``
 (`benchmarks.vocab_coverage`), ``rollback-cost`` (`benchmarks.rollback_cost`), ``stopping-replay``
-(`benchmarks.stopping_replay`) and ``trained-head`` (`benchmarks.trained_head`). Each command's module is imported only when it runs.
+(`benchmarks.stopping_replay`) and ``trained-head`` (`benchmarks.trained_head`). Each command's module is
+imported only when it runs.
 """
 
 from __future__ import annotations

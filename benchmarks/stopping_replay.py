@@ -251,6 +251,11 @@ def compare(streams: Sequence[Stream], costs: Costs) -> dict:
             for name, row in rows.items()}
 
 
+def depth_of(named: dict[str, Stream]) -> int:
+    """How many tokens the drafter drafted at each position of these streams."""
+    return len(next(iter(named.values())).confidences[0])
+
+
 def save_streams(path: Path, named: dict[str, Stream]) -> None:
     path.write_text("".join(json.dumps({"name": name, "matches": s.matches, "confidences": s.confidences}) + "\n"
                             for name, s in named.items()))
@@ -291,13 +296,14 @@ def run_stopping_replay(models: str, target_dtype: str, question_file: str | Non
                                             **model_set.generate_options)
             named[f"{question.question_id}/{turn}"] = stream
             answers.append(model_set.tokenizer.decode(output, skip_special_tokens=True))
+    depth = depth_of(named)  # a streams file's own
     costs = Costs(measure_curve(target, tokens=range(1, depth + 2)),
                   measure_curve(drafter, tokens=(1,)).seconds(1))
     table = compare(list(named.values()), costs)
     machine = machine_description(target)
     lines = [f"Drafter `{model_set.labels['draft']}`, target `{model_set.labels.get('target', models)}` "
              f"({target_dtype}{', packed' if pack_target else ''}), {len(named)} turns ({', '.join(named)}), "
-             f"{max_new_tokens} new tokens, drafts {len(next(iter(named.values())).confidences[0])} deep; T(1) {costs.verify.seconds(1):.3f} s, "
+             f"{max_new_tokens} new tokens, drafts {depth} deep; T(1) {costs.verify.seconds(1):.3f} s, "
              f"T(17) {costs.verify.seconds(17):.3f} s, a drafting step {costs.step:.3f} s; "
              f"CPU {machine.get('cpu')} ({machine.get('class')}), flags {', '.join(machine.get('cpu_flags', []))}.",
              "", "| rule | x plain | x transformers' | tokens per target forward | drafted per round |",

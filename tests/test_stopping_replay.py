@@ -3,6 +3,8 @@ drafts along the target's path, and its rounds add up as the module says."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -139,3 +141,6 @@ def test_the_command_runs_on_tiny_models(capsys, tmp_path):
     assert benchmarks.cli.main(["stopping-replay", "--models", "tiny", "--streams", str(tmp_path / "streams.jsonl"),
                                 "--out", str(tmp_path / "again")]) == 0
     assert (tmp_path / "again" / "streams.jsonl").read_text() == saved
+    # the costs are measured up to a verification of the saved streams' depth, not --depth's default
+    verify = json.loads((tmp_path / "again" / "summary.json").read_text())["costs"]["verify"]
+    assert max(int(k) for k in verify) == 3 + 1
