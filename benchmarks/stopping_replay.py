@@ -18,14 +18,14 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from hf_polybasic.compat import cache_argument, new_dynamic_cache, remove_last_tokens
 from hf_polybasic.config import MAX_DRAFT_TOKENS
-from hf_polybasic.costs import CostCurve, measure_curve
+from hf_polybasic.costs import CostCurve, CostEstimate, measure_curve
 from hf_polybasic.schedule.factory import RowSchedules
 
 # transformers' defaults for an assistant model: up to 20 tokens, stop after a token below 0.4
@@ -140,7 +140,7 @@ class Schedule(Rule):
 
     def start(self) -> None:
         self._made = RowSchedules("cost_aware", [0])
-        self.schedule = self._made.for_level(self.initial, self.maximum, _Verifier(self.costs.verify), True,
+        self.schedule = self._made.for_level(self.initial, self.maximum, CostEstimate(self.costs.verify), True,
                                              step_seconds=self.costs.step, pair=self._pair)[0]
 
     def finish(self) -> None:
@@ -179,15 +179,6 @@ class _Key:
 
 
 @dataclass
-class _Verifier:
-    curve: CostCurve
-    last_seconds: float | None = None
-
-    def seconds(self, tokens: float) -> float:
-        return self.curve.seconds(tokens)
-
-
-@dataclass
 class Replayed:
     """What a rule did along some streams: tokens emitted, seconds, target forwards and drafted tokens."""
 
@@ -195,7 +186,6 @@ class Replayed:
     seconds: float = 0.0
     rounds: int = 0
     drafted: int = 0
-    per_stream: list[float] = field(default_factory=list)  # tokens per second of each stream
 
     @property
     def rate(self) -> float:
@@ -223,7 +213,6 @@ def replay(streams: Iterable[Stream], rule: Rule, costs: Costs) -> Replayed:
         rule.finish()
         result.tokens += stream.tokens
         result.seconds += seconds
-        result.per_stream.append(stream.tokens / seconds)
     return result
 
 
@@ -281,14 +270,14 @@ def run_stopping_replay(models: str, target_dtype: str, question_file: str | Non
     from .bench.runner import load_questions
     from .bench.settings import BenchSettings
 
-    settings = BenchSettings(models=models, target_dtype=target_dtype, question_file=question_file,
-                             categories=tuple(categories) if categories else None,
-                             questions_per_group=questions_per_group, max_new_tokens=max_new_tokens)
-    questions, _ = load_questions(settings)
     model_set = build_model_set(models, {"draft"}, target_dtype, pack_target=pack_target)
     target, drafter = model_set.target, model_set.pool["draft"]
     named = {} if streams is None else load_streams(Path(streams))
-    for question in questions if streams is None else ():
+    questions = () if streams is not None else load_questions(BenchSettings(
+        models=models, target_dtype=target_dtype, question_file=question_file,
+        categories=tuple(categories) if categories else None, questions_per_group=questions_per_group,
+        max_new_tokens=max_new_tokens))[0]
+    for question in questions:
         answers: list[str] = []
         for turn in range(len(question.turns)):
             inputs, _ = encode(model_set, messages_for(question, turn, answers), max_new_tokens)
@@ -301,8 +290,8 @@ def run_stopping_replay(models: str, target_dtype: str, question_file: str | Non
                   measure_curve(drafter, tokens=(1,)).seconds(1))
     table = compare(list(named.values()), costs)
     machine = machine_description(target)
-    lines = [f"Drafter `{model_set.labels['draft']}`, target `{model_set.labels.get('target', models)}` "
-             f"({target_dtype}{', packed' if pack_target else ''}), {len(named)} turns ({', '.join(named)}), "
+    lines = [f"Drafter `{model_set.labels['draft']}`, target `{model_set.labels['target']}`, "
+             f"{len(named)} turns ({', '.join(named)}), "
              f"{max_new_tokens} new tokens, drafts {depth} deep; T(1) {costs.verify.seconds(1):.3f} s, "
              f"T(17) {costs.verify.seconds(17):.3f} s, a drafting step {costs.step:.3f} s; "
              f"CPU {machine.get('cpu')} ({machine.get('class')}), flags {', '.join(machine.get('cpu_flags', []))}.",
