@@ -149,19 +149,23 @@ def test_concurrent_writers_never_leave_a_torn_or_temporary_file(tmp_path, model
         for _ in range(30):
             store._save(key, curve)
 
-    def read():
-        for _ in range(200):
+    def read(writers):
+        # while any writer runs, then once after them all (a loaded machine may schedule the writers late)
+        while True:
+            done = not any(writer.is_alive() for writer in writers)
             path = tmp_path / f"{key}.json"
             if path.exists():
                 try:
                     seen.append(CostCurve.from_dict(json.loads(path.read_text())).points[1])
                 except (OSError, ValueError) as error:
                     errors.append(error)
+            if done:
+                return
 
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a writer tripping over another one would warn
-        threads = [threading.Thread(target=write, args=(CostCurves(tmp_path), c)) for c in curves]
-        threads.append(threading.Thread(target=read))
+        writers = [threading.Thread(target=write, args=(CostCurves(tmp_path), c)) for c in curves]
+        threads = [*writers, threading.Thread(target=read, args=(writers,))]
         for thread in threads:
             thread.start()
         for thread in threads:
