@@ -114,7 +114,8 @@ class PolybasicCandidateGenerator(CandidateGenerator):
         assistants = validate_assistant_models(target, assistant_models)
         config = resolve_config(polybasic_config, generation_config)
         config.thresholds_for(len(assistants) - 1)  # a per-level mu sequence of the wrong length, before any work
-        assistants = with_prompt_lookup(with_restricted_drafter(assistants, config, static), config)
+        assistants = with_prompt_lookup(
+            with_restricted_drafter(assistants, config, static, bool(generation_config.do_sample)), config)
         names = level_names(target, assistants)
         for index, model in enumerate(assistants):
             if not isinstance(model, Drafter):

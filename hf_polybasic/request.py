@@ -114,7 +114,8 @@ def check_request(
     config.thresholds_for(len(assistants) - 1)  # validates a per-level mu sequence before any work
     given_cache = compat.given_cache(model_kwargs)
     static = wants_static_cache(generation_config, given_cache)
-    assistants = with_prompt_lookup(with_restricted_drafter(assistants, config, static), config)
+    assistants = with_prompt_lookup(
+        with_restricted_drafter(assistants, config, static, bool(generation_config.do_sample)), config)
 
     rows = row_prompts(input_ids, model_kwargs.get("attention_mask"))
     check_position_ids(model_kwargs.get("position_ids"), rows)
@@ -181,20 +182,28 @@ def _target_caches(target, rows: int, use_cache: bool, given) -> list:
     return [new_dynamic_cache(target) for _ in range(rows)]
 
 
-def with_restricted_drafter(assistants: list, config: PolybasicConfig, static: bool = False) -> list:
+def with_restricted_drafter(assistants: list, config: PolybasicConfig, static: bool = False,
+                            samples: bool = False) -> list:
     """``assistants`` with the bottom model replaced by its restricted-vocabulary drafting view
     (`PolybasicConfig.drafter_vocabulary`, `hf_polybasic.models.vocab_head.drafting_view`) where that pays
-    and stays exact; otherwise unchanged. Not below an added prompt lookup: a restricted level
-    that verifies must emit a token wherever the processors allow one. Not on a static cache or
-    compiled (``static``, `PolybasicConfig.compiles`): the view's output layer grows with the text,
+    and stays exact; otherwise unchanged. Above a `Drafter` (one given last, or the lookup
+    `PolybasicConfig.prompt_lookup` adds) the bottom model verifies: greedy, its restricted argmax is
+    one more proposal the level above decides, so it is restricted there too; sampling (``samples``),
+    not: a verifying level must emit a token wherever the processors allow one. Not on a static cache
+    or compiled (``static``, `PolybasicConfig.compiles`): the view's output layer grows with the text,
     which a fixed-shape forward cannot follow."""
-    bottom = assistants[-1]
-    if config.drafter_vocabulary is None or config.prompt_lookup or isinstance(bottom, (Drafter, Translated)):
+    below = 1 if isinstance(assistants[-1], Drafter) else 0  # the Drafter under the bottom model, if given
+    if config.drafter_vocabulary is None or len(assistants) <= below:
         return assistants
-    if static or config.compiles(bottom.device):
+    if (below or config.prompt_lookup) and samples:
+        return assistants
+    bottom = assistants[-1 - below]
+    if isinstance(bottom, (Drafter, Translated)) or static or config.compiles(bottom.device):
         return assistants
     view = drafting_view(bottom, config.drafter_vocabulary)
-    return assistants if view is None else [*assistants[:-1], view]
+    if view is None:
+        return assistants
+    return [*assistants[: len(assistants) - 1 - below], view, *assistants[len(assistants) - below :]]
 
 
 def with_prompt_lookup(assistants: list, config: PolybasicConfig) -> list:

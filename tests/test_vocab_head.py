@@ -351,10 +351,78 @@ def test_the_drafting_view_is_left_out_where_it_would_not_pay_or_change_how_the_
     lookup = hp.PolybasicConfig(**CONSTANT, drafter_vocabulary=32, prompt_lookup=True)
     from hf_polybasic.request import with_restricted_drafter
 
-    assert with_restricted_drafter([mid, draft], lookup) == [mid, draft]  # draft verifies the lookup's copies
+    # sampling, a model above a lookup verifies by sampling: it keeps its whole vocabulary
+    assert with_restricted_drafter([mid, draft], lookup, samples=True) == [mid, draft]
+    given = hp.drafters.PromptLookup()
+    assert with_restricted_drafter([mid, draft, given], hp.PolybasicConfig(drafter_vocabulary=32), samples=True) == [
+        mid, draft, given]
+    assert with_restricted_drafter([given], hp.PolybasicConfig(drafter_vocabulary=32)) == [given]
     assert with_restricted_drafter([mid, draft], hp.PolybasicConfig(drafter_vocabulary=None)) == [mid, draft]
-    restricted = with_restricted_drafter([mid, draft], hp.PolybasicConfig(drafter_vocabulary=32))
-    assert restricted[0] is mid and isinstance(restricted[1].get_output_embeddings(), RestrictedLinear)
+    for assistants, config, samples in (([mid, draft], hp.PolybasicConfig(drafter_vocabulary=32), True),
+                                        ([mid, draft], lookup, False)):
+        restricted = with_restricted_drafter(assistants, config, samples=samples)
+        assert restricted[0] is mid and isinstance(restricted[1].get_output_embeddings(), RestrictedLinear)
+    restricted = with_restricted_drafter([mid, draft, given], hp.PolybasicConfig(drafter_vocabulary=32))
+    assert restricted[0] is mid and restricted[2] is given
+    assert isinstance(restricted[1].get_output_embeddings(), RestrictedLinear)
+
+
+@pytest.mark.parametrize("lookup", ["given", "added"])
+def test_greedy_the_model_above_a_lookup_verifies_through_its_drafting_view(lookup, chain):
+    """Greedy, the bottom model above a prompt lookup drafts and verifies its copies through its
+    restricted view (`request.with_restricted_drafter`): its argmax over S is only a proposal the
+    target decides, so the output is plain generate's, also where a processor bans the view's ranked
+    ids (every odd length), which leaves it mostly -inf scores to verify with."""
+    target, mid, draft = chain
+    view = vocab_head.drafting_view(draft, 32)
+    calls = []
+    handle = view.get_output_embeddings().register_forward_hook(lambda *args: calls.append(1))
+
+    class BanRankedAtOddLengths:
+        def __call__(self, input_ids, scores):
+            if input_ids.shape[-1] % 2:
+                scores = scores.clone()
+                scores[..., :32] = float("-inf")
+            return scores
+
+    from transformers import LogitsProcessorList
+
+    config = hp.PolybasicConfig(**CONSTANT, drafter_vocabulary=32, prompt_lookup=lookup == "added")
+    assistants = [mid, draft] + ([hp.drafters.PromptLookup(num_tokens=3)] if lookup == "given" else [])
+    try:
+        for seed, processors in ((3, None), (4, LogitsProcessorList([BanRankedAtOddLengths()]))):
+            ids = prompt(12, seed=seed)
+            options = dict(_greedy_options(), logits_processor=processors)
+            out = target.generate(ids, custom_generate=hp.generate, assistant_models=assistants,
+                                  polybasic_config=config, **options)
+            assert torch.equal(out, target.generate(ids, **options))
+            assert_every_level_took_part(hp.last_stats(target), rejections=False)
+    finally:
+        handle.remove()
+    assert calls  # the view, not the model given, ran as the lookup's verifier
+    assert type(draft.get_output_embeddings()) is torch.nn.Linear
+
+
+def test_sampling_keeps_the_model_above_a_lookup_whole_where_its_view_would_have_nothing(chain):
+    """Sampling, a verifying level must emit a token wherever the processors allow one. Bad words that
+    ban every id but four the view does not start with leave it nothing at the first position: the
+    chain keeps the model whole above the lookup and decodes. Negative control: the view itself in
+    that place stops the call."""
+    target, mid, draft = chain
+    ids = prompt(6, seed=5)
+    view = vocab_head.drafting_view(draft, 32)
+    allowed = [t for t in range(32, 96) if t not in set(ids[0].tolist()) | {EOS}][:4]
+    options = dict(do_sample=True, max_new_tokens=8, eos_token_id=None,
+                   bad_words_ids=[[t] for t in range(96) if t not in allowed])
+    lookup = hp.drafters.PromptLookup(num_tokens=3)
+    config = hp.PolybasicConfig(**CONSTANT, drafter_vocabulary=32)
+    torch.manual_seed(0)
+    out = target.generate(ids, custom_generate=hp.generate, assistant_models=[mid, draft, lookup],
+                          polybasic_config=config, **options)
+    assert set(out[0, ids.shape[1]:].tolist()) <= set(allowed)
+    with pytest.raises(ValueError, match="bottom of the chain"):
+        target.generate(ids, custom_generate=hp.generate, assistant_models=[mid, view, lookup],
+                        polybasic_config=hp.PolybasicConfig(**CONSTANT, drafter_vocabulary=None), **options)
 
 
 def test_the_drafting_view_of_a_model_cast_between_calls_is_made_again():
