@@ -105,6 +105,9 @@ def test_spec_bench_categories_map_to_the_task_groups(tmp_path: Path):
     # both under MT-bench)
     chosen = prompts.select(prompts.by_category(questions, ["coding", "writing"]), per_group=1)
     assert [(q.question_id, q.group) for q in chosen] == [("2", "coding"), ("1", "writing")]
+    # --skip-questions: the next ones of each group (a group with no more is left out)
+    chosen = prompts.select(questions, per_group=1, skip=1)
+    assert [q.question_id for q in chosen] == ["2"]
     with pytest.raises(ValueError, match="no questions of category"):
         prompts.by_category(questions, ["roleplay"])
 
@@ -358,6 +361,9 @@ def test_cli_runs_and_registers_on_a_parser(tmp_path: Path, capsys):
     settings = bench_cli.settings_from_args(args)
     assert (settings.questions_per_group, settings.max_new_tokens, settings.methods) == (1, 24, ("plain", "ours-draft"))
     assert settings.output_dir == "bench-results/qwen-greedy-quick"
+    assert bench_cli.settings_from_args(parser.parse_args(["bench", "--skip-questions", "3"])).skip_questions == 3
+    with pytest.raises(ValueError, match="skip_questions"):
+        BenchSettings(skip_questions=-1)
 
     assert bench_cli.main(["--list-methods"]) == 0
     assert "ours-mid-draft" in capsys.readouterr().out

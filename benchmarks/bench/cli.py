@@ -50,6 +50,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "own (e.g. Spec-Bench's coding,math_reasoning,writing), instead of --groups")
     parser.add_argument("--questions-per-group", type=int, default=None,
                         help="first N questions of each group (default: all; --quick: 1)")
+    parser.add_argument("--skip-questions", type=int, default=0,
+                        help="leave out the first N questions of each group (prompts earlier runs did not use)")
     parser.add_argument("--max-new-tokens", type=int, default=None, help="budget per turn (default 256; --quick: 24)")
     parser.add_argument("--decoding", choices=list(DECODINGS), default="greedy",
                         help="greedy, sample-t1 (temperature 1) or sample-t0.7-p0.9; top_k is off when sampling")
@@ -88,6 +90,7 @@ def settings_from_args(args: argparse.Namespace, command: str | None = None):
         question_set=args.question_set,
         groups=args.groups,
         categories=args.categories,
+        skip_questions=args.skip_questions,
         decoding=args.decoding,
         seed=args.seed,
         num_draft_tokens=args.num_draft_tokens,

@@ -115,10 +115,10 @@ def by_category(questions: Sequence[Question], categories: Iterable[str]) -> lis
 
 
 def select(
-    questions: Sequence[Question], groups: Iterable[str] | None = None, per_group: int | None = None
+    questions: Sequence[Question], groups: Iterable[str] | None = None, per_group: int | None = None, skip: int = 0
 ) -> list[Question]:
-    """The first ``per_group`` questions of each wanted group, in file order, groups in
-    `TASK_GROUPS` order (other groups after them, alphabetically)."""
+    """The first ``per_group`` questions of each wanted group after its first ``skip``, in file order,
+    groups in `TASK_GROUPS` order (other groups after them, alphabetically)."""
     present = {q.group for q in questions}
     wanted = None
     if groups is not None:
@@ -132,7 +132,7 @@ def select(
     for group in order:
         if wanted is not None and group not in wanted:
             continue
-        members = [q for q in questions if q.group == group]
+        members = [q for q in questions if q.group == group][skip:]
         chosen.extend(members if per_group is None else members[:per_group])
     return chosen
 

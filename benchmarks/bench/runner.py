@@ -57,7 +57,7 @@ def load_questions(settings: BenchSettings) -> tuple[list[prompt_sets.Question],
         source = {"file": None, "set": settings.question_set, "sha256": prompt_sets.set_digest(settings.question_set)}
     if settings.categories is not None:
         questions = prompt_sets.by_category(questions, settings.categories)
-    chosen = prompt_sets.select(questions, settings.groups, settings.questions_per_group)
+    chosen = prompt_sets.select(questions, settings.groups, settings.questions_per_group, settings.skip_questions)
     if not chosen:
         raise ValueError("no questions selected")
     return chosen, source

@@ -33,6 +33,7 @@ class BenchSettings:
     groups: tuple[str, ...] | None = None
     categories: tuple[str, ...] | None = None
     questions_per_group: int | None = None
+    skip_questions: int = 0
     max_new_tokens: int = 256
     decoding: str = "greedy"
     repeats: int = 1
@@ -57,8 +58,9 @@ class BenchSettings:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.question_set not in QUESTION_SETS:
             raise ValueError(f"question_set must be one of {QUESTION_SETS}, got {self.question_set!r}")
-        if self.warmup < 0:
-            raise ValueError(f"warmup must be >= 0, got {self.warmup}")
+        for name in ("warmup", "skip_questions"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.questions_per_group is not None and self.questions_per_group < 1:
             raise ValueError(f"questions_per_group must be >= 1, got {self.questions_per_group}")
 
