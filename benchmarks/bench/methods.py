@@ -273,6 +273,7 @@ RECIPES: dict[str, Recipe] = {
         _chain("ours-draft", ("draft",)),
         _chain("ours-draft-auto", ("draft",), "cost_aware"),  # the default (its drafter restricted to 65,536 ids)
         _chain("ours-draft-fullvocab-auto", ("draft",), "cost_aware", drafter_vocabulary=None),
+        _chain("ours-draft-fullvocab-lookup-auto", ("draft", "lookup"), "cost_aware", drafter_vocabulary=None),
         _chain("ours-mid", ("mid",)),
         _chain("ours-mid-auto", ("mid",), "cost_aware"),
         _chain("ours-draft-fp32", ("draft-fp32",)),
