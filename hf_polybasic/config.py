@@ -74,9 +74,12 @@ class PolybasicConfig:
             special ids and every token of the text) when its output layer has at least twice as
             many: its steps skip most of its largest matrix (Qwen2.5's 151,936 ids: a 0.5B int8
             step 44 -> 37 ms) while it keeps 99 % of its agreement with the target. Lossless (the
-            level above decides every token; docs: Build the levels). Left as given: a model below
-            a `PromptLookup`, one with forward hooks of its own (accelerate's offloading), one whose
-            output layer is of another kind. None: always the model as given.
+            level above decides every token; docs: Build the levels); greedy, also above a
+            `Drafter` (a `PromptLookup`), whose copies it verifies by its restricted argmax, which
+            the level above decides in turn. Left as given: a model above a `Drafter` when sampling
+            (a level that verifies by sampling must keep every token the processors allow), one with
+            forward hooks of its own (accelerate's offloading), one whose output layer is of another
+            kind. None: always the model as given.
         compile: run every model of the chain that can (`hf_polybasic.runners.probe.static_problem`) on a static
             cache with its forwards compiled by ``torch.compile`` (on a GPU as CUDA graphs, mode
             ``"reduce-overhead"``): one graph per padded width (`hf_polybasic.runners.static.WIDTHS`), made once
