@@ -26,7 +26,7 @@ from .decoding.protocol import Proposal
 from .decoding.reads import HostRead
 from .drafters import Drafter
 from .processing import DecodingRules, processors_for_row
-from .request import resolve_config, row_prompts, validate_assistant_models, with_prompt_lookup, with_restricted_drafter
+from .request import resolve_config, row_prompts, validate_assistant_models, with_added_levels
 from .runners.probe import check_cache
 from .runners.static import capacity_for
 from .stats import PolybasicStats
@@ -114,8 +114,7 @@ class PolybasicCandidateGenerator(CandidateGenerator):
         assistants = validate_assistant_models(target, assistant_models)
         config = resolve_config(polybasic_config, generation_config)
         config.thresholds_for(len(assistants) - 1)  # a per-level mu sequence of the wrong length, before any work
-        assistants = with_prompt_lookup(
-            with_restricted_drafter(assistants, config, static, bool(generation_config.do_sample)), config)
+        assistants = with_added_levels(assistants, config, static, bool(generation_config.do_sample))
         names = level_names(target, assistants)
         for index, model in enumerate(assistants):
             if not isinstance(model, Drafter):

@@ -114,8 +114,7 @@ def check_request(
     config.thresholds_for(len(assistants) - 1)  # validates a per-level mu sequence before any work
     given_cache = compat.given_cache(model_kwargs)
     static = wants_static_cache(generation_config, given_cache)
-    assistants = with_prompt_lookup(
-        with_restricted_drafter(assistants, config, static, bool(generation_config.do_sample)), config)
+    assistants = with_added_levels(assistants, config, static, bool(generation_config.do_sample))
 
     rows = row_prompts(input_ids, model_kwargs.get("attention_mask"))
     check_position_ids(model_kwargs.get("position_ids"), rows)
@@ -197,13 +196,19 @@ def with_restricted_drafter(assistants: list, config: PolybasicConfig, static: b
         return assistants
     if (below or config.prompt_lookup) and samples:
         return assistants
-    bottom = assistants[-1 - below]
-    if isinstance(bottom, (Drafter, Translated)) or static or config.compiles(bottom.device):
+    index = len(assistants) - 1 - below  # the bottom model (only the last level may be a Drafter)
+    bottom = assistants[index]
+    if isinstance(bottom, Translated) or static or config.compiles(bottom.device):
         return assistants
     view = drafting_view(bottom, config.drafter_vocabulary)
-    if view is None:
-        return assistants
-    return [*assistants[: len(assistants) - 1 - below], view, *assistants[len(assistants) - below :]]
+    return assistants if view is None else [*assistants[:index], view, *assistants[index + 1 :]]
+
+
+def with_added_levels(assistants: list, config: PolybasicConfig, static: bool, samples: bool) -> list:
+    """The levels a call decodes with below the target: ``assistants`` with the bottom model's drafting
+    view (`with_restricted_drafter`), then the lookup the config adds (`with_prompt_lookup`); in this
+    order, as the view is chosen knowing whether a lookup sits below it."""
+    return with_prompt_lookup(with_restricted_drafter(assistants, config, static, samples), config)
 
 
 def with_prompt_lookup(assistants: list, config: PolybasicConfig) -> list:
