@@ -9,6 +9,8 @@ where the processors leave no id of S finite are left to the level above.
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from helpers import (
     ALPHA,
     SAMPLES,
@@ -17,6 +19,7 @@ from helpers import (
     VOCAB,
     assert_every_level_took_part,
     chi_square_p_value,
+    left_padded,
     sample_counts,
 )
 
@@ -28,7 +31,7 @@ from hf_polybasic.decoding.round import ModelDrafter
 from hf_polybasic.generation import make_generate
 from hf_polybasic.levels import quantized_copy, restricted_vocabulary
 from hf_polybasic.processing import process_positions
-from hf_polybasic.testing import EOS, make_chain, make_target, prompt
+from hf_polybasic.testing import EOS, PAD, make_chain, make_target, prompt
 from hf_polybasic.models.vocab_head import RestrictedLinear
 
 KINDS = ["fp32", "bf16", "int8-dynamic", "packed-fp32", "packed-bf16"]
@@ -353,17 +356,17 @@ def test_the_drafting_view_is_left_out_where_it_would_not_pay_or_change_how_the_
 
     # sampling, a model above a lookup verifies by sampling: it keeps its whole vocabulary
     assert with_restricted_drafter([mid, draft], lookup, samples=True) == [mid, draft]
-    given = hp.drafters.PromptLookup()
-    assert with_restricted_drafter([mid, draft, given], hp.PolybasicConfig(drafter_vocabulary=32), samples=True) == [
-        mid, draft, given]
-    assert with_restricted_drafter([given], hp.PolybasicConfig(drafter_vocabulary=32)) == [given]
+    copies = hp.drafters.PromptLookup()
+    assert with_restricted_drafter([mid, draft, copies], hp.PolybasicConfig(drafter_vocabulary=32), samples=True) == [
+        mid, draft, copies]
+    assert with_restricted_drafter([copies], hp.PolybasicConfig(drafter_vocabulary=32)) == [copies]
     assert with_restricted_drafter([mid, draft], hp.PolybasicConfig(drafter_vocabulary=None)) == [mid, draft]
     for assistants, config, samples in (([mid, draft], hp.PolybasicConfig(drafter_vocabulary=32), True),
                                         ([mid, draft], lookup, False)):
         restricted = with_restricted_drafter(assistants, config, samples=samples)
         assert restricted[0] is mid and isinstance(restricted[1].get_output_embeddings(), RestrictedLinear)
-    restricted = with_restricted_drafter([mid, draft, given], hp.PolybasicConfig(drafter_vocabulary=32))
-    assert restricted[0] is mid and restricted[2] is given
+    restricted = with_restricted_drafter([mid, draft, copies], hp.PolybasicConfig(drafter_vocabulary=32))
+    assert restricted[0] is mid and restricted[2] is copies
     assert isinstance(restricted[1].get_output_embeddings(), RestrictedLinear)
 
 
@@ -401,6 +404,42 @@ def test_greedy_the_model_above_a_lookup_verifies_through_its_drafting_view(look
         handle.remove()
     assert calls  # the view, not the model given, ran as the lookup's verifier
     assert type(draft.get_output_embeddings()) is torch.nn.Linear
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])
+@given(rows=st.integers(1, 4), seed=st.integers(0, 1000), lookup=st.sampled_from(["given", "added"]),
+       schedule=st.sampled_from(["constant", "heuristic"]), penalty=st.sampled_from([1.0, 1.3]),
+       eos_step=st.one_of(st.none(), st.integers(0, 23)))
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+def test_a_batch_through_the_view_above_a_lookup_equals_plain_generate(arch, rows, seed, lookup, schedule, penalty,
+                                                                       eos_step, shared_models):
+    """Greedy, left-padded ragged rows (full attention, grouped heads, gemma3's sliding window), with a
+    repetition penalty and an EOS some row emits mid-output: the chain whose model above a prompt lookup
+    verifies through its restricted view equals plain batched generate, and the view ran. (Schedules that
+    always draft: the cost-aware one may let a batch of these tiny models decode plainly, which would
+    leave the view unrun.)"""
+    target, mid, draft = shared_models.chain(arch, 3, seed=23)
+    view = vocab_head.drafting_view(draft, 32)
+    assert view is not None  # every tiny architecture here has 96 ids, at least twice the 32 kept
+    prompts = [prompt(2 + (7 * row + seed) % 11, seed=seed + row)[0] for row in range(rows)]
+    ids, mask = left_padded(prompts)
+    options = dict(do_sample=False, max_new_tokens=24, eos_token_id=EOS, pad_token_id=PAD, repetition_penalty=penalty)
+    plain = target.generate(ids, attention_mask=mask, **options)
+    if eos_step is not None:
+        options["eos_token_id"] = [int(plain[0, ids.shape[1] + eos_step]), EOS]
+        plain = target.generate(ids, attention_mask=mask, **options)
+    config = hp.PolybasicConfig(num_draft_tokens=3, block_threshold=4, schedule=schedule, drafter_vocabulary=32,
+                                prompt_lookup=lookup == "added")
+    assistants = [mid, draft] + ([hp.drafters.PromptLookup(num_tokens=3)] if lookup == "given" else [])
+    calls = []
+    handle = view.get_output_embeddings().register_forward_hook(lambda *args: calls.append(1))
+    try:
+        out = target.generate(ids, attention_mask=mask, custom_generate=hp.generate, assistant_models=assistants,
+                              polybasic_config=config, **options)
+    finally:
+        handle.remove()
+    assert torch.equal(out, plain)
+    assert calls  # the view, not the model given, ran above the lookup
 
 
 def test_sampling_keeps_the_model_above_a_lookup_whole_where_its_view_would_have_nothing(chain):
