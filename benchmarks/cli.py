@@ -61,7 +61,8 @@ def _stopping_replay(args: argparse.Namespace) -> int:
 
     categories = args.categories.split(",") if args.categories else None
     print(run_stopping_replay(args.models, args.target_dtype, args.question_file, categories, args.questions_per_group,
-                              args.max_new_tokens, args.depth, args.out, args.pack_target, args.streams), end="")
+                              args.max_new_tokens, args.depth, args.out, args.pack_target, args.streams,
+                              args.skip_questions), end="")
     return 0
 
 
@@ -128,6 +129,8 @@ def add_benchmark_parsers(commands) -> None:
     replay.add_argument("--question-file", default=None, help="a Spec-Bench question.jsonl (default: the shipped set)")
     replay.add_argument("--categories", default=None, help="comma-separated categories of the question file")
     replay.add_argument("--questions-per-group", type=int, default=3)
+    replay.add_argument("--skip-questions", type=int, default=0,
+                        help="leave out the first N questions of each category (prompts earlier runs did not use)")
     replay.add_argument("--max-new-tokens", type=int, default=64)
     replay.add_argument("--depth", type=int, default=24, help="tokens the drafter drafts at every position")
     replay.add_argument("--out", default=None, help="directory for streams.jsonl, summary.json and results.md")

@@ -257,10 +257,10 @@ def load_streams(path: Path) -> dict[str, Stream]:
 
 def run_stopping_replay(models: str, target_dtype: str, question_file: str | None, categories: Sequence[str] | None,
                         questions_per_group: int | None, max_new_tokens: int, depth: int, out: str | None,
-                        pack_target: bool = False, streams: str | None = None) -> str:
+                        pack_target: bool = False, streams: str | None = None, skip_questions: int = 0) -> str:
     """Streams of the model set's drafter along its target's greedy answers to the chosen questions (every
     turn, each after the target's own earlier answers, as the benchmark's chats; or the ``streams`` file of
-    an earlier run), the target's cost curve and the drafter's step measured here, and every rule compared
+    an earlier run; ``skip_questions``: the first N of each category left out), the target's cost curve and the drafter's step measured here, and every rule compared
     (`compare`); the table as markdown, and with ``out``: ``streams.jsonl``, ``summary.json`` and
     ``results.md`` there."""
     from hf_polybasic.cli.model_sets import build_model_set
@@ -276,7 +276,7 @@ def run_stopping_replay(models: str, target_dtype: str, question_file: str | Non
     questions = () if streams is not None else load_questions(BenchSettings(
         models=models, target_dtype=target_dtype, question_file=question_file,
         categories=tuple(categories) if categories else None, questions_per_group=questions_per_group,
-        max_new_tokens=max_new_tokens))[0]
+        skip_questions=skip_questions, max_new_tokens=max_new_tokens))[0]
     for question in questions:
         answers: list[str] = []
         for turn in range(len(question.turns)):

@@ -144,3 +144,14 @@ def test_the_command_runs_on_tiny_models(capsys, tmp_path):
     # the costs are measured up to a verification of the saved streams' depth, not --depth's default
     verify = json.loads((tmp_path / "again" / "summary.json").read_text())["costs"]["verify"]
     assert max(int(k) for k in verify) == 3 + 1
+
+
+def test_skip_questions_replays_the_questions_after_the_first_n(tmp_path):
+    def turns(*extra):
+        out = tmp_path / "-".join(extra or ("all",))
+        assert benchmarks.cli.main(["stopping-replay", "--models", "tiny", "--questions-per-group", "1",
+                                    "--max-new-tokens", "3", "--depth", "2", "--out", str(out), *extra]) == 0
+        return json.loads((out / "summary.json").read_text())["turns"]
+
+    first, later = turns(), turns("--skip-questions", "1")
+    assert first and later and not set(first) & set(later)
