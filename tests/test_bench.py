@@ -381,3 +381,28 @@ def test_a_packed_target_is_a_different_run_whose_greedy_output_stays_exact(tmp_
     assert any(isinstance(module, cpu.PackedLinear) for module in packed_set.target.modules())
     result = run_benchmark(BenchSettings(**base, pack_target=True))
     assert result.units_run == 2 and result.mismatches == []
+
+
+def test_the_strict_lookup_chain_copies_only_after_three_token_matches_and_equals_plain_generate():
+    """``ours-draft-lookup3-auto``: the drafter over a PromptLookup that copies only after a match of at least
+    3 tokens (the spec and label say so, apart from ``ours-draft-lookup-auto``'s), greedy output equal to
+    plain generate's on a prompt that repeats itself."""
+    from hf_polybasic.cli.model_sets import build_model_set
+
+    model_set = build_model_set("tiny", bench_methods.needed_pool(["ours-draft-lookup3-auto"]))
+    options = bench_methods.MethodOptions()
+    strict = bench_methods.RECIPES["ours-draft-lookup3-auto"].build(model_set, options)
+    loose = bench_methods.RECIPES["ours-draft-lookup-auto"].build(model_set, options)
+    assert strict.spec != loose.spec and "3<=n<=3" in strict.description
+    lookup = bench_methods._lookup(options, "lookup3")
+    assert (lookup.min_ngram, lookup.max_ngram) == (3, 3)
+    sequence = torch.tensor([[5, 6, 7, 8, 9, 1, 6, 7]])
+    assert lookup.propose(sequence, 4)[0].numel() == 0  # a 2-token match (6 7) is not copied after
+    assert bench_methods._lookup(options).propose(sequence, 4)[0].tolist() == [8, 9, 1, 6]
+    assert lookup.propose(torch.tensor([[5, 6, 7, 8, 9, 5, 6, 7]]), 4)[0].tolist() == [8, 9, 5, 6]
+    ids = torch.tensor([[10, 20, 30, 40, 50, 10, 20, 30, 40]])
+    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    greedy = {"do_sample": False, "max_new_tokens": 8, "eos_token_id": None}
+    assert torch.equal(strict.run(model_set.target, inputs, greedy), model_set.target.generate(**inputs, **greedy))
+    stats = bench_methods.last_stats(model_set.target)
+    assert stats.levels[-1].proposed > 0 and stats.levels[1].proposed > 0  # the lookup and the drafter took part
