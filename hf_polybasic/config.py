@@ -60,8 +60,8 @@ class PolybasicConfig:
             schedule is lossless; ``"cost_aware"`` depends on timings, so sampled outputs are not
             bit-reproducible from a seed with it: use ``"constant"`` or ``"heuristic"`` for that.
         prompt_lookup: True puts a `hf_polybasic.drafters.PromptLookup` below the *model* at the bottom
-            of the chain: a free level that drafts by copying what followed the last few tokens
-            earlier in the prompt or the text so far. The chain's last model then verifies those
+            of the chain: a free level that drafts by copying what followed the last three tokens
+            earlier in the prompt or the text so far (shorter matches copy too often wrongly). The chain's last model then verifies those
             copies in one forward instead of drafting token by token; under the constant and
             heuristic schedules the lookup drafts K tokens per round and that model, now an
             intermediate level, hands up blocks of the config's last mu; the cost-aware schedule

@@ -67,7 +67,8 @@ def test_prompt_lookup_puts_a_free_level_below_the_bottom_model(shared_models):
     import torch
 
     import hf_polybasic as hp
-    from hf_polybasic.drafters import PromptLookup
+    from hf_polybasic.drafters import AddedPromptLookup, PromptLookup
+    from hf_polybasic.request import with_prompt_lookup
     from hf_polybasic.testing import prompt
 
     target, draft = shared_models.chain("llama", 2, seed=5)
@@ -80,6 +81,11 @@ def test_prompt_lookup_puts_a_free_level_below_the_bottom_model(shared_models):
         assert torch.equal(out.sequences, reference)
         assert len(out.polybasic_stats.levels) == levels
     assert out.polybasic_stats.levels[-1].role == "drafter"
+    added = with_prompt_lookup([draft], hp.PolybasicConfig(prompt_lookup=True))[-1]
+    # it copies only after a 3-token match: after shorter ones it was mostly wrong (`ADDED_LOOKUP_NGRAM`)
+    assert isinstance(added, AddedPromptLookup) and (added.min_ngram, added.max_ngram) == (3, 3)
+    assert added.propose(torch.tensor([[5, 6, 7, 8, 9, 1, 6, 7]]), 4)[0].numel() == 0
+    assert added.propose(torch.tensor([[5, 6, 7, 8, 9, 5, 6, 7]]), 4)[0].tolist() == [8, 9, 5, 6]
     with_lookup = hp.PolybasicConfig(prompt_lookup=True, block_threshold=(4, 4), schedule="constant")
     out = target.generate(ids, custom_generate=hp.generate, assistant_models=[draft, draft, PromptLookup()],
                           polybasic_config=with_lookup, return_dict_in_generate=True, **options)
