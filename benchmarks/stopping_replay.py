@@ -259,10 +259,10 @@ def run_stopping_replay(models: str, target_dtype: str, question_file: str | Non
                         questions_per_group: int | None, max_new_tokens: int, depth: int, out: str | None,
                         pack_target: bool = False, streams: str | None = None, skip_questions: int = 0) -> str:
     """Streams of the model set's drafter along its target's greedy answers to the chosen questions (every
-    turn, each after the target's own earlier answers, as the benchmark's chats; or the ``streams`` file of
-    an earlier run; ``skip_questions``: the first N of each category left out), the target's cost curve and the drafter's step measured here, and every rule compared
-    (`compare`); the table as markdown, and with ``out``: ``streams.jsonl``, ``summary.json`` and
-    ``results.md`` there."""
+    turn, each after the target's own earlier answers, as the benchmark's chats; ``skip_questions``: the
+    first N of each category left out; or the ``streams`` file of an earlier run), the target's cost curve
+    and the drafter's step measured here, and every rule compared (`compare`); the table as markdown, and
+    with ``out``: ``streams.jsonl``, ``summary.json`` and ``results.md`` there."""
     from hf_polybasic.cli.model_sets import build_model_set
     from hf_polybasic.cli.prompts import encode, messages_for
     from hf_polybasic.costs import machine_description

@@ -61,11 +61,12 @@ class PolybasicConfig:
             bit-reproducible from a seed with it: use ``"constant"`` or ``"heuristic"`` for that.
         prompt_lookup: True puts a `hf_polybasic.drafters.PromptLookup` below the *model* at the bottom
             of the chain: a free level that drafts by copying what followed the last three tokens
-            earlier in the prompt or the text so far (shorter matches copy too often wrongly). The chain's last model then verifies those
-            copies in one forward instead of drafting token by token; under the constant and
-            heuristic schedules the lookup drafts K tokens per round and that model, now an
-            intermediate level, hands up blocks of the config's last mu; the cost-aware schedule
-            sizes both itself and sits the lookup out where its copies are not accepted. It pays where outputs copy their input
+            earlier in the prompt or the text so far (after shorter matches it copies wrongly too
+            often). The chain's last model then verifies those copies in one forward instead of
+            drafting token by token; under the constant and heuristic schedules the lookup drafts K
+            tokens per round and that model, now an intermediate level, hands up blocks of the
+            config's last mu; the cost-aware schedule sizes both itself and sits the lookup out
+            where its copies are not accepted. It pays where outputs copy their input
             (code edits, summaries, retrieval); off by default because elsewhere the extra level costs
             more than it saves (docs: Benchmarks). A chain whose bottom already is a `Drafter` is
             left alone.

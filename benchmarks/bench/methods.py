@@ -32,6 +32,7 @@ from hf_polybasic.config import PolybasicConfig
 from hf_polybasic.drafters import Drafter, PromptLookup
 from hf_polybasic.generation import generate as polybasic_generate
 from hf_polybasic.generation import last_stats
+from hf_polybasic.request import ADDED_LOOKUP_NGRAM
 from hf_polybasic.stats import PolybasicStats
 from hf_polybasic.cli.assisted import assisted_generate, assistant_settings
 from hf_polybasic.cli.model_sets import ModelSet
@@ -213,13 +214,8 @@ class Recipe:
     build: Callable[[ModelSet, MethodOptions], Method]
 
 
-# the shortest n-gram a "lookup3" level copies after: along the target's greedy answers to issue 47's
-# held-out prompts (questions 4-6), a lookup that also copies after 1- and 2-token matches proposes 4.5-6
-# times as many tokens, for 13 % more accepted ones on prose and twice as many on code and math, where it
-# is right about 8 % of the time
-STRICT_LOOKUP_NGRAM = 3
-
-
+# the shortest n-gram a "lookup3" level copies after: what `PolybasicConfig(prompt_lookup=True)` adds
+STRICT_LOOKUP_NGRAM = ADDED_LOOKUP_NGRAM
 LOOKUPS = ("lookup", "lookup3")
 
 
