@@ -47,8 +47,8 @@ ADDED_LOOKUP_TOKENS = 8
 # the shortest match after which that lookup copies (it looks for no longer one): on held-out Spec-Bench
 # prompts (Qwen2.5-Coder 1.5B over its 0.5B, greedy; docs: Benchmarks), the model above a lookup that also
 # copied after 1- and 2-token matches accepted 9-20 % of its copies on code and math, against 23-39 % after
-# 3-token matches only, and on prose as many accepted from about half the copies; a wrong copy costs that model a
-# forward as wide as the copy
+# 3-token matches only, and on prose as many accepted from about half the copies; a wrong copy costs that
+# model a forward as wide as the copy
 ADDED_LOOKUP_NGRAM = 3
 
 

@@ -214,30 +214,29 @@ class Recipe:
     build: Callable[[ModelSet, MethodOptions], Method]
 
 
-# the shortest n-gram a "lookup3" level copies after: what `PolybasicConfig(prompt_lookup=True)` adds
-STRICT_LOOKUP_NGRAM = ADDED_LOOKUP_NGRAM
 LOOKUPS = ("lookup", "lookup3")
 
 
 def _lookup(options: MethodOptions, level: str = "lookup") -> Drafter:
     if level == "lookup3":
-        return PromptLookup(max_ngram=max(options.lookup_max_ngram, STRICT_LOOKUP_NGRAM),
-                            num_tokens=options.lookup_tokens, min_ngram=STRICT_LOOKUP_NGRAM)
+        return PromptLookup(max_ngram=max(options.lookup_max_ngram, ADDED_LOOKUP_NGRAM),
+                            num_tokens=options.lookup_tokens, min_ngram=ADDED_LOOKUP_NGRAM)
     return PromptLookup(max_ngram=options.lookup_max_ngram, num_tokens=options.lookup_tokens)
 
 
 def _lookup_label(options: MethodOptions, level: str = "lookup") -> str:
     if level == "lookup3":
         return (f"PromptLookup({options.lookup_tokens} tokens, "
-                f"{STRICT_LOOKUP_NGRAM}<=n<={max(options.lookup_max_ngram, STRICT_LOOKUP_NGRAM)})")
+                f"{ADDED_LOOKUP_NGRAM}<=n<={max(options.lookup_max_ngram, ADDED_LOOKUP_NGRAM)})")
     return f"PromptLookup({options.lookup_tokens} tokens, n<={options.lookup_max_ngram})"
 
 
 def _chain(name: str, levels: tuple[str, ...], schedule: str = "constant", **settings) -> Recipe:
     """Ours over ``levels``, strongest first: pool keys ("mid", "draft", ...) and, at the bottom,
     "lookup" (a `PromptLookup`) or "lookup3" (one that copies only after a match of at least
-    `STRICT_LOOKUP_NGRAM` tokens). K and mu come from the shared options, ``settings`` are further
-    `PolybasicConfig` fields; `polybasic` leaves the one a chain does not use out of the spec."""
+    `hf_polybasic.request.ADDED_LOOKUP_NGRAM` tokens, as `PolybasicConfig(prompt_lookup=True)`'s). K and
+    mu come from the shared options, ``settings`` are further `PolybasicConfig` fields; `polybasic` leaves
+    the one a chain does not use out of the spec."""
 
     def build(ms: ModelSet, o: MethodOptions) -> Method:
         models = [_lookup(o, level) if level in LOOKUPS else ms.pool[level] for level in levels]
