@@ -134,8 +134,8 @@ def add_benchmark_parsers(commands) -> None:
     replay.add_argument("--max-new-tokens", type=int, default=64)
     replay.add_argument("--depth", type=int, default=24, help="tokens the drafter drafts at every position")
     replay.add_argument("--out", default=None, help="directory for streams.jsonl, summary.json and results.md")
-    replay.add_argument("--streams", default=None, help="the streams.jsonl of an earlier run: replayed again with costs "
-                        "measured now, the models not run on the questions")
+    replay.add_argument("--streams", default=None, help="the streams.jsonl of an earlier run: its turns of the "
+                        "selected questions replayed again with costs measured now, the models not run on them")
     replay.set_defaults(handler=_stopping_replay)
 
     add_bench_parser(commands)

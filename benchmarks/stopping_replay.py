@@ -260,7 +260,7 @@ def run_stopping_replay(models: str, target_dtype: str, question_file: str | Non
                         pack_target: bool = False, streams: str | None = None, skip_questions: int = 0) -> str:
     """Streams of the model set's drafter along its target's greedy answers to the chosen questions (every
     turn, each after the target's own earlier answers, as the benchmark's chats; ``skip_questions``: the
-    first N of each category left out; or the ``streams`` file of an earlier run), the target's cost curve
+    first N of each category left out; or those turns of the ``streams`` file of an earlier run), the target's cost curve
     and the drafter's step measured here, and every rule compared (`compare`); the table as markdown, and
     with ``out``: ``streams.jsonl``, ``summary.json`` and ``results.md`` there."""
     from hf_polybasic.cli.model_sets import build_model_set
@@ -272,11 +272,18 @@ def run_stopping_replay(models: str, target_dtype: str, question_file: str | Non
 
     model_set = build_model_set(models, {"draft"}, target_dtype, pack_target=pack_target)
     target, drafter = model_set.target, model_set.pool["draft"]
-    named = {} if streams is None else load_streams(Path(streams))
-    questions = () if streams is not None else load_questions(BenchSettings(
+    questions = load_questions(BenchSettings(
         models=models, target_dtype=target_dtype, question_file=question_file,
         categories=tuple(categories) if categories else None, questions_per_group=questions_per_group,
         skip_questions=skip_questions, max_new_tokens=max_new_tokens))[0]
+    named = {}
+    if streams is not None:  # the question options choose which of its turns are replayed
+        chosen = {question.question_id for question in questions}
+        named = {name: stream for name, stream in load_streams(Path(streams)).items() if name.split("/")[0] in chosen}
+        if not named:
+            raise ValueError(f"no turn of {streams} belongs to the selected questions ({sorted(chosen)}); select the "
+                             "question file and categories its streams were made from")
+        questions = ()
     for question in questions:
         answers: list[str] = []
         for turn in range(len(question.turns)):

@@ -155,3 +155,11 @@ def test_skip_questions_replays_the_questions_after_the_first_n(tmp_path):
 
     first, later = turns(), turns("--skip-questions", "1")
     assert first and later and not set(first) & set(later)
+    # a streams file replays the turns of the selected questions only
+    both = tmp_path / "both.jsonl"
+    both.write_text((tmp_path / "all" / "streams.jsonl").read_text()
+                    + (tmp_path / "--skip-questions-1" / "streams.jsonl").read_text())
+    assert turns("--streams", str(both), "--skip-questions", "1") == later
+    assert turns("--streams", str(both)) == first
+    with pytest.raises(ValueError, match="no turn of .* belongs to the selected questions"):
+        turns("--streams", str(tmp_path / "all" / "streams.jsonl"), "--skip-questions", "1")
