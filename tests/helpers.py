@@ -15,7 +15,7 @@ import hf_polybasic as hp
 from hf_polybasic.testing import PAD, make_target, noisy_copy, prompt
 
 
-# --- batches (test_batches, test_host_reads, test_oracle, test_probe) ------------------------------
+# --- batches (test_batches, test_host_reads, test_oracle, test_probe, test_vocab_head) ------------
 def left_padded(prompts, width: int | None = None):
     """input_ids and attention_mask of left-padded prompts (1-D tensors), ``width`` wide (default:
     the longest prompt)."""
@@ -26,6 +26,19 @@ def left_padded(prompts, width: int | None = None):
         ids[row, width - p.shape[0] :] = p
         mask[row, width - p.shape[0] :] = 1
     return ids, mask
+
+
+def assert_rows_as_alone(target, sequences: torch.Tensor, prompts, ids: torch.Tensor, options: dict) -> None:
+    """Each row of a left-padded batch's output (``sequences`` [rows, width + m], ``ids`` [rows, width]
+    its input) is its input, then what plain `generate` emits for the row alone under ``options``, then
+    pad tokens to the batch's end (the longest row's)."""
+    width = ids.shape[1]
+    alone = [target.generate(p[None], **options)[0, p.shape[0] :] for p in prompts]
+    assert sequences.shape[1] == width + max(new.shape[0] for new in alone)
+    for row, new in enumerate(alone):
+        assert torch.equal(sequences[row, :width], ids[row])
+        assert torch.equal(sequences[row, width : width + new.shape[0]], new), f"row {row}"
+        assert bool((sequences[row, width + new.shape[0] :] == PAD).all())
 
 
 # --- theory: Monte Carlo simulators (test_theory, test_theory_costs) -------------------------------

@@ -11,7 +11,7 @@ import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from helpers import ALPHA, SETTINGS, STEPS, VOCAB, assert_every_level_took_part, chi_square_p_value, exact_joint
-from helpers import left_padded
+from helpers import assert_rows_as_alone, left_padded
 from scipy.stats import chi2_contingency
 from transformers import StoppingCriteria, StoppingCriteriaList
 
@@ -37,9 +37,7 @@ def batch_equals_plain_and_rows_alone(target, assistants, prompts, ids, mask, op
     out = target.generate(ids, attention_mask=mask, custom_generate=hp.generate, assistant_models=assistants,
                           polybasic_config=CONFIG, return_dict_in_generate=True, **options)
     assert torch.equal(out.sequences, plain)
-    for row, p in enumerate(prompts):
-        alone = target.generate(p[None], **options)[0, p.shape[0] :]
-        assert torch.equal(out.sequences[row, ids.shape[1] : ids.shape[1] + alone.shape[0]], alone)
+    assert_rows_as_alone(target, out.sequences, prompts, ids, options)
     return out
 
 

@@ -18,6 +18,7 @@ from helpers import (
     STEPS,
     VOCAB,
     assert_every_level_took_part,
+    assert_rows_as_alone,
     chi_square_p_value,
     left_padded,
     sample_counts,
@@ -443,13 +444,7 @@ def test_a_batch_through_the_view_above_a_lookup_equals_plain_generate(arch, row
     # each row as plain generate decodes it alone; and plain batched generate, except where a release hands
     # the left padding to the repetition penalty (the pad id counts as seen: transformers 4.57, test_oracle's
     # TRANSFORMERS_BATCH_QUIRKS, `compat.REPETITION_PENALTY_SKIPS_ROW_PADDING`)
-    alone = [target.generate(row[None], **options)[0, row.shape[0]:] for row in prompts]
-    width = ids.shape[1]
-    assert out.shape[1] == width + max(new.shape[0] for new in alone)
-    for row, new in enumerate(alone):
-        assert torch.equal(out[row, :width], ids[row])
-        assert torch.equal(out[row, width : width + new.shape[0]], new), f"row {row}"
-        assert bool((out[row, width + new.shape[0] :] == PAD).all())
+    assert_rows_as_alone(target, out, prompts, ids, options)
     if penalty == 1.0 or compat.REPETITION_PENALTY_SKIPS_ROW_PADDING:
         assert torch.equal(out, plain)
     assert calls  # the view, not the model given, ran above the lookup
