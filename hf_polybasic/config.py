@@ -81,6 +81,12 @@ class PolybasicConfig:
             (a level that verifies by sampling must keep every token the processors allow), one with
             forward hooks of its own (accelerate's offloading), one whose output layer is of another
             kind. None: always the model as given.
+        few_row_products: on the CPU, each model of the chain runs its forwards through a view of it
+            (`hf_polybasic.models.few_rows.few_row_view`; the same weights, nothing copied, the model
+            unchanged) whose linear layers compute 2 to 64 rows as ``(W @ x.T).T`` where a probe on this
+            machine measures that faster than ``nn.Linear`` (on an AVX2 EPYC, fp32: a verification of
+            4 tokens 3.0x -> 1.0x one token's product; docs: Speed on your machine). Exact products
+            summed in another order, as a k-token forward's already are. False: the models as given.
         compile: run every model of the chain that can (`hf_polybasic.runners.probe.static_problem`) on a static
             cache with its forwards compiled by ``torch.compile`` (on a GPU as CUDA graphs, mode
             ``"reduce-overhead"``): one graph per padded width (`hf_polybasic.runners.static.WIDTHS`), made once
@@ -99,6 +105,7 @@ class PolybasicConfig:
     schedule: Literal["constant", "heuristic", "cost_aware"] = "cost_aware"
     prompt_lookup: bool = False
     drafter_vocabulary: int | None = 65536
+    few_row_products: bool = True
     compile: bool | Literal["auto"] = "auto"
     measure_costs: bool = True
 
@@ -134,6 +141,8 @@ class PolybasicConfig:
                 f"PolybasicConfig.drafter_vocabulary must be None or an int >= 1 (ids the bottom model drafts from), "
                 f"got {size!r}"
             )
+        if not isinstance(self.few_row_products, bool):
+            raise ValueError(f"PolybasicConfig.few_row_products must be True or False, got {self.few_row_products!r}")
         if self.compile != "auto" and not isinstance(self.compile, bool):
             raise ValueError(f"PolybasicConfig.compile must be 'auto', True or False, got {self.compile!r}")
         if not isinstance(self.measure_costs, bool):

@@ -17,6 +17,7 @@ from ..config import MAX_BLOCK_THRESHOLD, MAX_DRAFT_TOKENS, PolybasicConfig
 from ..costs import CostCurves, CostEstimate
 from ..drafters import AddedPromptLookup, Drafter
 from ..labels import model_label
+from ..models.few_rows import few_row_view
 from ..runners.dynamic import CachedModel
 from ..runners.head import HeadModel, HeadRunner, head_source
 from ..runners.probe import compile_problem, static_problem
@@ -211,6 +212,7 @@ def _links(target, assistant_models: Sequence, names: list[str], target_cache, c
     the features the runner above it keeps, `hf_polybasic.runners.head`) and, under the cost-aware schedule,
     every model's cost estimate from ``costs`` (measured on first use)."""
     vocab = target.config.get_text_config(decoder=True).vocab_size
+    target = _kernel_view(target, config, static)
     links = [_Link(target, make_runner(target, target_cache, f"target {names[0]}", config, static, capacity, None,
                                        clock, rows))]
     for index, model in enumerate(assistant_models):
@@ -223,6 +225,7 @@ def _links(target, assistant_models: Sequence, names: list[str], target_cache, c
         elif isinstance(model, Translated):  # its own model on its own ids, behind a translation
             runner, model = _translated_runner(model, role, config, static, clock, rows, vocab), model.model
         else:
+            model = _kernel_view(model, config, static)
             runner = make_runner(model, new_dynamic_cache(model), role, config, static, capacity, vocab, clock, rows)
         links.append(_Link(model, runner))
     if config.schedule == "cost_aware" and costs is not None:
@@ -233,6 +236,15 @@ def _links(target, assistant_models: Sequence, names: list[str], target_cache, c
                 link.estimate = link.runner.cost_observer = CostEstimate(curve)
                 link.share = BatchShare(link.estimate, link.runner)
     return links
+
+
+def _kernel_view(model, config: PolybasicConfig, static: bool):
+    """The model a level's dynamic runner forwards: on the CPU, its few-row view where that pays
+    (`PolybasicConfig.few_row_products`, `hf_polybasic.models.few_rows.few_row_view`; its cost curve is
+    its own, `hf_polybasic.costs.measure.model_description`); else the model as given."""
+    if not config.few_row_products or static or model.device.type != "cpu" or config.compiles(model.device):
+        return model
+    return few_row_view(model)
 
 
 def _translated_runner(level: Translated, role: str, config: PolybasicConfig, static: bool, clock: Clock, rows: int,
