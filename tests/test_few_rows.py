@@ -3,7 +3,7 @@ untouched, nothing copied), when a chain takes it, and chains through it against
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, example, given, settings, strategies as st
 
 import hf_polybasic as hp
 from hf_polybasic.costs.measure import cost_key
@@ -36,6 +36,10 @@ def forced(monkeypatch):
 
 
 @settings(max_examples=25, deadline=None)
+@example(rows=MAX_ROWS, bias=True, batch=None, dtype=torch.float32)  # the bounds, each side
+@example(rows=MAX_ROWS + 1, bias=False, batch=None, dtype=torch.float32)
+@example(rows=2, bias=False, batch=None, dtype=torch.float32)
+@example(rows=1, bias=True, batch=None, dtype=torch.float32)
 @given(rows=st.integers(1, MAX_ROWS + 3), bias=st.booleans(), batch=st.sampled_from([None, 1, 2]),
        dtype=st.sampled_from([torch.float32, torch.bfloat16]))
 def test_products_equal_linear_to_rounding_and_exactly_outside_the_few_rows(rows, bias, batch, dtype):
@@ -109,18 +113,35 @@ def test_the_probe_measures_once_per_shape():
     assert transposed_pays.cache_info().hits == 1
 
 
-def test_the_probe_says_no_where_the_kernel_is_slower(monkeypatch):
-    transposed_pays.cache_clear()
-    slow = torch.mm
-
-    def slower(a, b, *args, **kwargs):  # only the transposed kernel calls torch.mm here
+def _slowed(function):
+    def slower(*args, **kwargs):
         for _ in range(20):
-            slow(a, b)
-        return slow(a, b, *args, **kwargs)
+            function(*args, **kwargs)
+        return function(*args, **kwargs)
 
-    monkeypatch.setattr(few_rows.torch, "mm", slower)
-    assert transposed_pays(256, 512, torch.float32, 1) is False
+    return slower
+
+
+@pytest.mark.parametrize("slowed, pays", [("mm", False), ("linear", True)])
+def test_the_probe_follows_the_measured_times(monkeypatch, slowed, pays):
+    """Whichever kernel is made 21 times slower (the transposed one calls torch.mm, nn.Linear's
+    F.linear), the probe picks the other."""
     transposed_pays.cache_clear()
+    if slowed == "mm":
+        monkeypatch.setattr(torch, "mm", _slowed(torch.mm))
+    else:
+        monkeypatch.setattr(torch.nn.functional, "linear", _slowed(torch.nn.functional.linear))
+    assert transposed_pays(256, 512, torch.float32, 1) is pays
+    transposed_pays.cache_clear()
+
+
+def test_static_caches_keep_the_models_as_given(forced):
+    target, draft = make_chain("llama", depth=2)
+    ids = prompt(6)
+    out = target.generate(ids, custom_generate=hp.generate, assistant_models=[draft], do_sample=False,
+                          max_new_tokens=10, cache_implementation="static")
+    assert forced["few"] == 0
+    assert torch.equal(out, target.generate(ids, do_sample=False, max_new_tokens=10))
 
 
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -166,3 +187,29 @@ def test_sampling_through_the_view_follows_the_target(forced, monkeypatch, scale
     assert_every_level_took_part(stats)
     p_value = chi_square_p_value(counts, exact_distribution(setting))
     assert (p_value > ALPHA) if scale == 1.0 else (p_value < ALPHA)
+
+
+def test_the_costs_table_lists_the_view_of_the_target(monkeypatch):
+    """`hf-polybasic costs` measures the target through the view too, whatever the probe says."""
+    from hf_polybasic.cli import costs_table
+
+    target = make_chain("llama", depth=1)[0]
+    monkeypatch.setattr(costs_table.loading, "load", lambda name, dtype=torch.float32, **_: (target, None))
+    monkeypatch.setattr(few_rows, "transposed_pays", lambda *shape: False)
+    view = costs_table.qwen_variants()["1.5B fp32 few-row products"]()
+    linears = [type(m) for m in view.modules() if isinstance(m, (torch.nn.Linear, FewRowLinear))]
+    assert linears and set(linears) == {FewRowLinear}
+    assert all(type(m) is not FewRowLinear for m in target.modules())
+
+
+def test_the_probe_measures_the_largest_layer_but_the_output_layer(monkeypatch, forced):
+    asked = []
+    monkeypatch.setattr(few_rows, "transposed_pays", lambda *shape: asked.append(shape) or True)
+    target = make_chain("llama", depth=1)[0]
+    output = target.get_output_embeddings()
+    with torch.no_grad():  # the output layer the largest: a vocabulary's rows
+        target.set_output_embeddings(torch.nn.Linear(output.in_features, 4096, bias=False))
+    others = [m for m in target.modules() if type(m) is torch.nn.Linear and m is not target.lm_head]
+    largest = max(others, key=lambda m: m.weight.numel())
+    few_row_view(target)
+    assert asked == [(largest.in_features, largest.out_features, torch.float32, torch.get_num_threads())]

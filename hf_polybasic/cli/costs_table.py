@@ -1,7 +1,8 @@
 """``hf-polybasic costs``: the cost curves T(k) of the real models on this machine, as a table.
 
 One row per way the chain's models can run here (the target in float32 and bfloat16, each with and
-without oneDNN-packed linear layers where this machine packs that dtype; the int8 copies of the
+without oneDNN-packed linear layers where this machine packs that dtype, and through the few-row view a
+chain's runner takes where it pays (`hf_polybasic.models.few_rows`); the int8 copies of the
 target and of the 0.5B; the 0.5B in bf16, packed where this machine packs bf16; the target's 4-bit
 copies: int4 through torch's own int4 kernels, always, and nf4 where bitsandbytes, the ``quant4``
 extra, is installed): the median seconds of one forward scoring k new tokens after a 64-token
@@ -32,6 +33,8 @@ from tqdm.auto import tqdm
 
 from .. import compat
 from ..models import nf4 as four_bit
+from ..models.few_rows import FewRowLinear
+from ..models.modules import view_replacing
 from ..costs import hardware
 from ..costs import MEASURED_TOKENS, CostCurve, measure_curve
 from ..costs.measure import EVERY_TOKEN
@@ -54,6 +57,10 @@ def qwen_variants(restricted: Sequence[int] = ()) -> dict[str, Callable[[], torc
     variants = {}
     for dtype, name in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
         variants[f"1.5B {name}"] = target(dtype, False)
+        # the view a chain's runner forwards where its probe says it pays (`hf_polybasic.models.few_rows`),
+        # here whatever the probe says
+        variants[f"1.5B {name} few-row products"] = lambda load=target(dtype, False): view_replacing(
+            load(), torch.nn.Linear, FewRowLinear)
         if compat.onednn_supports(dtype):
             variants[f"1.5B {name} packed"] = target(dtype, True)
     variants["1.5B int8-dynamic"] = lambda: loading.load_int8(QWEN_TARGET)

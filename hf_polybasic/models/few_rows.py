@@ -71,8 +71,7 @@ def _median_seconds(product, repeats: int) -> float:
 def transposed_pays(in_features: int, out_features: int, dtype: torch.dtype, threads: int) -> bool:
     """Whether ``(W @ x.T).T`` beats ``nn.Linear`` on this CPU for a weight of this shape and dtype
     with ``threads`` torch threads: faster by `PAYS_BELOW` at each of `PROBE_ROWS` rows (medians of
-    interleaved repeats on a random weight). Measured once per process and shape (about 0.1 s for
-    1536 x 8960 in fp32)."""
+    interleaved repeats on a random weight). Measured once per process and shape."""
     generator = torch.Generator().manual_seed(0)
     weight = torch.randn(out_features, in_features, generator=generator).to(dtype)
     for count in PROBE_ROWS:
@@ -87,10 +86,12 @@ def transposed_pays(in_features: int, out_features: int, dtype: torch.dtype, thr
 
 
 def _probed_layer(model: torch.nn.Module) -> torch.nn.Linear | None:
-    """The model's largest plain ``nn.Linear`` on the CPU in fp32 or bf16 (the one a probe measures),
-    None when it has none of at least `MIN_WEIGHT` elements."""
-    layers = [m for m in model.modules() if type(m) is torch.nn.Linear and m.weight.device.type == "cpu"
-              and m.weight.dtype in (torch.float32, torch.bfloat16)]
+    """The model's largest plain ``nn.Linear`` on the CPU in fp32 or bf16 but its output layer (a
+    vocabulary's rows would make the probe slow: 0.9 GB for Qwen2.5's in fp32), None when it has none
+    of at least `MIN_WEIGHT` elements."""
+    output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    layers = [m for m in model.modules() if type(m) is torch.nn.Linear and m is not output
+              and m.weight.device.type == "cpu" and m.weight.dtype in (torch.float32, torch.bfloat16)]
     largest = max(layers, key=lambda m: m.weight.numel(), default=None)
     return largest if largest is not None and largest.weight.numel() >= MIN_WEIGHT else None
 
