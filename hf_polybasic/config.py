@@ -81,12 +81,13 @@ class PolybasicConfig:
             (a level that verifies by sampling must keep every token the processors allow), one with
             forward hooks of its own (accelerate's offloading), one whose output layer is of another
             kind. None: always the model as given.
-        few_row_products: on the CPU, each model of the chain runs its forwards through a view of it
-            (`hf_polybasic.models.few_rows.few_row_view`; the same weights, nothing copied, the model
-            unchanged) whose linear layers compute 2 to 64 rows as ``(W @ x.T).T`` where a probe on this
-            machine measures that faster than ``nn.Linear`` (on an AVX2 EPYC, fp32: a verification of
-            4 tokens 3.0x -> 1.0x one token's product; docs: Speed on your machine). Exact products
-            summed in another order, as a k-token forward's already are. False: the models as given.
+        few_row_products: True: on the CPU, each model of the chain runs its forwards through a view
+            of it (`hf_polybasic.models.few_rows.few_row_view`; the same weights, nothing copied, the
+            model unchanged) whose linear layers compute 2 to 64 rows as ``(W @ x.T).T`` where a probe
+            on this machine measures that faster than ``nn.Linear``. Exact products summed in another
+            order, as a k-token forward's already are. Off by default: on a real AVX2 CPU it made a
+            verification of 1 to 4 drafts cost 1.1 - 1.5 steps instead of 2 - 3 (fp32 as loaded), but
+            the default chain through it was not faster on held-out prompts (docs: Speed on your machine).
         compile: run every model of the chain that can (`hf_polybasic.runners.probe.static_problem`) on a static
             cache with its forwards compiled by ``torch.compile`` (on a GPU as CUDA graphs, mode
             ``"reduce-overhead"``): one graph per padded width (`hf_polybasic.runners.static.WIDTHS`), made once
@@ -105,7 +106,7 @@ class PolybasicConfig:
     schedule: Literal["constant", "heuristic", "cost_aware"] = "cost_aware"
     prompt_lookup: bool = False
     drafter_vocabulary: int | None = 65536
-    few_row_products: bool = True
+    few_row_products: bool = False
     compile: bool | Literal["auto"] = "auto"
     measure_costs: bool = True
 

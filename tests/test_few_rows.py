@@ -139,7 +139,8 @@ def test_static_caches_keep_the_models_as_given(forced):
     target, draft = make_chain("llama", depth=2)
     ids = prompt(6)
     out = target.generate(ids, custom_generate=hp.generate, assistant_models=[draft], do_sample=False,
-                          max_new_tokens=10, cache_implementation="static")
+                          max_new_tokens=10, cache_implementation="static",
+                          polybasic_config=hp.PolybasicConfig(few_row_products=True))
     assert forced["few"] == 0
     assert torch.equal(out, target.generate(ids, do_sample=False, max_new_tokens=10))
 
@@ -154,18 +155,21 @@ def test_greedy_chains_through_the_view_equal_plain_generate(forced, arch, depth
     ids, mask = left_padded(prompts)
     options = dict(do_sample=False, max_new_tokens=12, pad_token_id=PAD)
     out = target.generate(ids, attention_mask=mask, custom_generate=hp.generate, assistant_models=assistants,
-                          polybasic_config=hp.PolybasicConfig(schedule="constant"), return_dict_in_generate=True,
+                          polybasic_config=hp.PolybasicConfig(schedule="constant", few_row_products=True),
+                          return_dict_in_generate=True,
                           **options)
     assert forced["few"] > 0  # verifications ran through the view
     assert_every_level_took_part(out.polybasic_stats, rejections=False, acceptances=False)
     assert_rows_as_alone(target, out.sequences, prompts, ids, options)
 
 
-def test_without_the_option_no_model_takes_the_view(forced):
+@pytest.mark.parametrize("config", [hp.PolybasicConfig(), hp.PolybasicConfig(few_row_products=False)])
+def test_without_the_option_no_model_takes_the_view(forced, config):
+    """Off by default (and when asked): the models run as given."""
     target, draft = make_chain("llama", depth=2)
     ids = prompt(6)
     out = target.generate(ids, custom_generate=hp.generate, assistant_models=[draft], do_sample=False,
-                          max_new_tokens=10, polybasic_config=hp.PolybasicConfig(few_row_products=False))
+                          max_new_tokens=10, polybasic_config=config)
     assert forced["few"] == 0
     assert torch.equal(out, target.generate(ids, do_sample=False, max_new_tokens=10))
     with pytest.raises(ValueError, match="few_row_products"):
@@ -182,7 +186,8 @@ def test_sampling_through_the_view_follows_the_target(forced, monkeypatch, scale
     monkeypatch.setattr(FewRowLinear, "forward", lambda self, inputs: counted(self, inputs) * scale)
     setting = "temperature+top_k+top_p"
     target, *assistants = distribution_models[:3]
-    counts, stats = sample_counts(target, setting, assistants, seed=3, schedule="constant", block_threshold=2)
+    counts, stats = sample_counts(target, setting, assistants, seed=3, schedule="constant", block_threshold=2,
+                                  few_row_products=True)
     assert forced["few"] > 0
     assert_every_level_took_part(stats)
     p_value = chi_square_p_value(counts, exact_distribution(setting))

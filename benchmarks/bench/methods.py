@@ -285,8 +285,8 @@ RECIPES: dict[str, Recipe] = {
         _chain("ours-draft", ("draft",)),
         _chain("ours-draft-auto", ("draft",), "cost_aware"),  # the default (its drafter restricted to 65,536 ids)
         _chain("ours-draft-fullvocab-auto", ("draft",), "cost_aware", drafter_vocabulary=None),
-        # the default with every model forwarded as given (before the few-row products of hf_polybasic.models.few_rows)
-        _chain("ours-draft-nofewrow-auto", ("draft",), "cost_aware", few_row_products=False),
+        # the default with every CPU model forwarded through its few-row view (hf_polybasic.models.few_rows)
+        _chain("ours-draft-fewrow-auto", ("draft",), "cost_aware", few_row_products=True),
         _chain("ours-draft-fullvocab-lookup-auto", ("draft", "lookup"), "cost_aware", drafter_vocabulary=None),
         _chain("ours-mid", ("mid",)),
         _chain("ours-mid-auto", ("mid",), "cost_aware"),

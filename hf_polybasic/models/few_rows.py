@@ -2,19 +2,20 @@
 
 A verification feeds a model 2 to 17 tokens, so each of its linear layers multiplies a few rows by
 its weight. torch's ``nn.Linear`` computes ``x @ W.T`` with the rows as the short side of the product,
-and on the 2-core AVX2 AMD EPYC of issue 47 (flags avx2 fma, fp32) MKL's kernel for that shape took
-about 2x one row's time for 2 rows and 3x for 4 to 8 (1536 -> 8960: 3.7 ms for 1 row, 11.6 ms for
-4); the very same product computed as ``(W @ x.T).T``, the weight's rows as the long side and nothing
-copied, took 3.9 ms for 4 rows and 6.8 ms for 8 (docs: *Speed on your machine*). The numbers stay exact
-products, summed in another order, as packing's are (`hf_polybasic.models.packed`): a k-token forward
-already differs from k one-token forwards by rounding, and greedy output through a chain still equals
-plain `generate`'s in the benchmarks.
+and on the 2-core AVX2 AMD EPYC of issue 47 (flags avx2 fma) the fp32 1.5B target's forward over 2 to
+5 tokens then cost 2 - 3 one-token forwards; computing the very same products as ``(W @ x.T).T``, the
+weight's rows as the long side and nothing copied, it cost 1.1 - 1.5 (`hf-polybasic costs --models qwen
+--every-width --only "1.5B fp32"`, docs: *Speed on your machine*). The numbers stay exact products,
+summed in another order, as packing's are (`hf_polybasic.models.packed`): a k-token forward already
+differs from k one-token forwards by rounding, and greedy output through a chain still equals plain
+`generate`'s in the benchmarks. Opt-in (`PolybasicConfig.few_row_products`): the default chain through
+it was not faster on held-out prompts there.
 
 `few_row_view(model)` gives a `module_view` of ``model`` whose plain ``nn.Linear`` layers are
 `FewRowLinear` layers over the same weight tensors, where `transposed_pays` measures that kernel
 faster on this machine; else the model itself. The user's model is not changed, and a view holds no
 weights of its own. One row (plain decoding, a drafter's step) and more than `MAX_ROWS` rows (a
-prompt) take ``nn.Linear``'s own kernel, so a chain's prefill and one-token steps are plain `generate`'s.
+longer prompt) take ``nn.Linear``'s own kernel, as plain `generate`'s forwards do.
 """
 
 from __future__ import annotations
