@@ -22,10 +22,10 @@ from __future__ import annotations
 
 import functools
 import statistics
-import time
 
 import torch
 
+from ..timing import timed
 from .fingerprint import PerModel
 from .modules import view_replacing
 
@@ -59,13 +59,10 @@ class FewRowLinear(torch.nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, few rows as (W @ x.T).T"
 
 
-def _median_seconds(product, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
+def _seconds(product) -> float:
+    with timed() as span:
         product()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return span.seconds
 
 
 @functools.lru_cache(maxsize=None)
@@ -80,7 +77,7 @@ def transposed_pays(in_features: int, out_features: int, dtype: torch.dtype, thr
         default = lambda: torch.nn.functional.linear(rows, weight)  # noqa: E731
         transposed = lambda: torch.mm(weight, rows.T).T.contiguous()  # noqa: E731
         default(), transposed()  # warm-up: kernels built for this shape
-        pairs = [(_median_seconds(default, 1), _median_seconds(transposed, 1)) for _ in range(PROBE_REPEATS)]
+        pairs = [(_seconds(default), _seconds(transposed)) for _ in range(PROBE_REPEATS)]
         if statistics.median(t for _, t in pairs) > PAYS_BELOW * statistics.median(d for d, _ in pairs):
             return False
     return True
