@@ -11,7 +11,7 @@ from hf_polybasic.models import few_rows
 from hf_polybasic.models.fingerprint import PerModel
 from hf_polybasic.models.few_rows import MAX_ROWS, FewRowLinear, few_row_view, transposed_pays
 from hf_polybasic.models.modules import view_replacing
-from hf_polybasic.testing import make_chain, prompt
+from hf_polybasic.testing import make_chain, prompt, tiny_chain
 
 from helpers import ALPHA, PAD, assert_every_level_took_part, assert_rows_as_alone, chi_square_p_value, left_padded, \
     sample_counts
@@ -158,6 +158,26 @@ def test_greedy_chains_through_the_view_equal_plain_generate(forced, arch, depth
                           polybasic_config=hp.PolybasicConfig(schedule="constant", few_row_products=True),
                           return_dict_in_generate=True,
                           **options)
+    assert forced["few"] > 0  # verifications ran through the view
+    assert_every_level_took_part(out.polybasic_stats, rejections=False, acceptances=False)
+    assert_rows_as_alone(target, out.sequences, prompts, ids, options)
+
+
+@pytest.mark.parametrize("arch, attention", [("mistral", "sdpa"), ("gemma2", "eager"), ("mixtral", "sdpa"),
+                                             ("llama", "eager"), ("qwen2", "flex_attention")])
+def test_greedy_chains_through_the_view_equal_plain_generate_over_attention_kinds(forced, arch, attention):
+    """Windowed and alternating attention, experts, eager and flex attention: through the views of
+    every model, a batch's greedy rows equal plain `generate`'s for each row alone."""
+    forced["few"] = 0
+    target, *assistants = tiny_chain(arch, depth=3, seed=5)
+    for model in (target, *assistants):
+        model.set_attn_implementation(attention)
+    prompts = [prompt(n, seed=11 + row)[0] for row, n in enumerate([4, 9])]
+    ids, mask = left_padded(prompts)
+    options = dict(do_sample=False, max_new_tokens=14, pad_token_id=PAD)
+    out = target.generate(ids, attention_mask=mask, custom_generate=hp.generate, assistant_models=assistants,
+                          polybasic_config=hp.PolybasicConfig(schedule="constant", few_row_products=True),
+                          return_dict_in_generate=True, **options)
     assert forced["few"] > 0  # verifications ran through the view
     assert_every_level_took_part(out.polybasic_stats, rejections=False, acceptances=False)
     assert_rows_as_alone(target, out.sequences, prompts, ids, options)
