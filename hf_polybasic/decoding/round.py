@@ -132,8 +132,7 @@ class Proposer:
             self._proposed[row] = size
             self.stats.proposed += size
             if self._active is not None:
-                # a round nobody proposed in may still have cost a forward (a first draft declined)
-                self._active[row].observe_proposal(size, seconds * size / total if total else seconds / len(sizes))
+                self._active[row].observe_proposal(size, seconds * size / total if total else 0.0)
 
     def _learn(self, kept: dict[int, int], seconds: float) -> None:
         if self._active is not None:

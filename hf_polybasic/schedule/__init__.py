@@ -18,8 +18,7 @@ whole chain: `RowSchedules`, in `factory`):
 The pure math (expected tokens, the best length, the acceptance estimate) is in `rates`, the
 confidence-to-acceptance curves in `calibration`, the pause / probe states in `backoff`, and the
 back-off of a batch as a whole (its rows share every forward, so whether proposing pays is decided
-for all of them, by the clock) in `batch_gate`, a row's rounds against plain decoding by the clock
-(a bound on what wrong estimates can lose) in `ledger`, and whether a middle level takes part at all (Theorem
+for all of them, by the clock) in `batch_gate`, and whether a middle level takes part at all (Theorem
 3.2 on measured costs and acceptance), or the drafter below it (Lemma 3.1), in `shape_gate`.
 
 Why every schedule is lossless: the length is chosen from the past only (acceptance counts,

@@ -38,9 +38,7 @@ overhead o; this level's proposals cost s per token (measured).
   quantity is a ratio of costs measured on the same curves, or a count of acceptances, so a machine
   that slows down or speeds up mid-call moves both sides alike. As a safety net against wrong
   costs, `SAFETY_ROUNDS` rounds that yield, by the clock, less than `SAFETY_MARGIN` of plain
-  decoding also make it back off; and a row decoded alone keeps a `CallLedger` of its rounds against
-  plain decoding by the clock, which stops the level under the target while the row is further
-  behind than its allowance (a bound on what wrong acceptance estimates can lose in a call).
+  decoding also make it back off.
 
 Lossless: lengths come from the past and from tokens already proposed (kept whatever they are),
 and whether a round proposes at all from the drafter's distribution before its draw counts; no drawn
@@ -57,7 +55,6 @@ from typing import Protocol
 from .backoff import MAX_BACKOFF_ROUNDS, BackOff
 from .batch_gate import BatchGate
 from .calibration import ConfidenceCalibration
-from .ledger import CallLedger
 from .rates import acceptance_rate_estimate, best_length, best_round_rate, decayed, worth_more
 
 # verifications before the back-off judges the rounds and a Drafter's length moves (the first one,
@@ -107,19 +104,17 @@ class CostAwareSchedule:
             paused the level proposes nothing, whatever its own estimates say.
         calibration: where the level's acceptance-by-confidence starts (what an earlier call of the
             same two models learned, `calibration.remembered`); None: the prior.
-        ledger: the row's `CallLedger` (a row decoded alone, level under the target): while its rounds
-            are too far behind plain decoding by the clock, the level proposes nothing.
     """
 
     def __init__(self, initial: int, maximum: int, per_token: bool = False, verifier_costs: VerifierCosts | None = None,
                  step_seconds: float | None = None, static_check: bool = True, gate: BatchGate | None = None,
-                 calibration: ConfidenceCalibration | None = None, ledger: CallLedger | None = None):
+                 calibration: ConfidenceCalibration | None = None):
         self.initial, self.maximum = initial, max(maximum, initial)
         self.per_token = per_token
         self.verifier_costs, self.step_seconds = verifier_costs, step_seconds
         self.static_check = static_check
-        self.gate, self.ledger = gate, ledger
-        self._gated_rounds = 0  # rounds the batch's gate or the row's ledger sat this row out
+        self.gate = gate
+        self._gated_rounds = 0  # rounds the batch's gate sat this row out
         self.current = self.maximum if per_token else initial
         self.rounds = 0
         self.calibration = calibration or ConfidenceCalibration()
@@ -160,7 +155,7 @@ class CostAwareSchedule:
                 self.backoff.pause(MAX_BACKOFF_ROUNDS // 2)
         if self.backoff.paused:
             return 0
-        if (self.gate is not None and self.gate.paused) or (self.ledger is not None and not self.ledger.allows()):
+        if self.gate is not None and self.gate.paused:
             self._gated_rounds += 1
             return 0
         # the average test (`round_pays`) pauses a level that cannot tell its rounds apart; a level whose
@@ -297,9 +292,6 @@ class CostAwareSchedule:
         of ``seconds``; updates the estimates and the length of the next round."""
         self.rounds += 1
         first_round = self.rounds == 1  # its forwards include the prompt's (prefill)
-        if self.ledger is not None:
-            self.ledger.observe(num_drafted, num_accepted + 1, seconds + self._last_proposal_seconds, seconds,
-                                self.verification_seconds(1) if self.verifier_costs is not None else None)
         self.verify_seconds = decayed(self.verify_seconds, seconds)
         self.verifications = decayed(self.verifications, 1.0)
         if self.verifier_costs is not None and not first_round:

@@ -11,41 +11,37 @@ from .batch_gate import BatchGate
 from .calibration import ConfidenceCalibration
 from .cost_aware import CostAwareSchedule
 from .fixed import ConstantSchedule, HeuristicSchedule
-from .ledger import CallLedger
 
 
 def make_schedule(
     kind: str, initial: int, maximum: int, per_token: bool = False, verifier_costs=None,
     step_seconds: float | None = None, static_check: bool = True, gate: BatchGate | None = None,
-    calibration: ConfidenceCalibration | None = None, ledger: CallLedger | None = None,
+    calibration: ConfidenceCalibration | None = None,
 ) -> ConstantSchedule | HeuristicSchedule | CostAwareSchedule:
     """The schedule of one level: ``kind`` is one of `SCHEDULES`; ``initial`` the configured K or
     mu, ``maximum`` the longest proposal a varying schedule makes; ``per_token``: the level proposes
     token by token with confidences (a model level). ``verifier_costs`` / ``step_seconds`` /
-    ``static_check`` / ``gate`` / ``calibration`` / ``ledger``: see `CostAwareSchedule`."""
+    ``static_check`` / ``gate`` / ``calibration``: see `CostAwareSchedule`."""
     if kind == "constant":
         return ConstantSchedule(initial)
     if kind == "heuristic":
         return HeuristicSchedule(initial, maximum)
     if kind == "cost_aware":
         return CostAwareSchedule(initial, maximum, per_token, verifier_costs, step_seconds, static_check, gate,
-                                 calibration, ledger)
+                                 calibration)
     raise ValueError(f"schedule must be one of {SCHEDULES}, got {kind!r}")
 
 
 class RowSchedules:
     """Makes ``{row: Schedule}`` for the levels of one call's chain: every row of the call gets its own
     schedule of the call's ``kind`` (one of `hf_polybasic.config.SCHEDULES`); the level right under
-    the target shares the batch's ``gate``, or, without one, under the cost-aware schedule, each row's
-    `CallLedger` (the level's schedules of a row, those of the shape gate's alternatives too, share it:
-    it counts every round of the row). Under the cost-aware schedule a model level's rows start
+    the target shares the batch's ``gate``. Under the cost-aware schedule a model level's rows start
     their confidence calibration from what the last call of the same two models learned
     (`calibration.remembered`), and `keep_learned` keeps what this call's rows learned for the next."""
 
     def __init__(self, kind: str, rows: Sequence[int], gate: BatchGate | None = None):
         self.kind, self.rows, self.gate = kind, list(rows), gate
         self._learned: list[tuple] = []  # (proposing model, verifying model, within, its rows' schedules)
-        self.ledgers = {row: CallLedger() for row in self.rows} if kind == "cost_aware" and gate is None else {}
 
     def for_level(self, initial: int, maximum: int, verifier_costs, under_target: bool, per_token: bool = True,
                   step_seconds: float | None = None, static_check: bool = True, pair: tuple | None = None,
@@ -61,7 +57,6 @@ class RowSchedules:
             row: make_schedule(self.kind, initial, maximum, per_token=per_token, verifier_costs=verifier_costs,
                                step_seconds=step_seconds, static_check=static_check,
                                gate=self.gate if under_target else None,
-                               ledger=self.ledgers.get(row) if under_target else None,
                                calibration=calibrations.remembered.start(*pair, within, sampled) if calibrated else None)
             for row in self.rows
         }
