@@ -61,6 +61,16 @@ def test_products_equal_linear_to_rounding_and_exactly_outside_the_few_rows(rows
         assert torch.equal(got, expected)  # one row and a prompt's many: nn.Linear's own kernel
 
 
+@pytest.mark.parametrize("rows, transposed", [(1, False), (2, True), (MAX_ROWS, True), (MAX_ROWS + 1, False)])
+def test_the_transposed_kernel_runs_for_the_few_rows_only(monkeypatch, rows, transposed):
+    """The bounds by the kernel called, not by the numbers (which may agree bit for bit at either side)."""
+    called = []
+    mm = torch.mm
+    monkeypatch.setattr(torch, "mm", lambda *args: called.append(1) or mm(*args))
+    FewRowLinear(torch.nn.Linear(8, 4))(torch.randn(rows, 8))
+    assert bool(called) is transposed
+
+
 def test_the_layer_shares_the_weights():
     linear = torch.nn.Linear(8, 4)
     layer = FewRowLinear(linear)
@@ -96,6 +106,14 @@ def test_the_view_is_taken_only_where_it_pays(monkeypatch, forced):
     hooked = make_chain("llama", depth=1)[0]
     hooked.model.layers[0].register_forward_hook(lambda *args: None)  # a view would not run it
     assert few_row_view(hooked) is hooked
+    pre_hooked = make_chain("llama", depth=1)[0]
+    pre_hooked.model.layers[0].register_forward_pre_hook(lambda *args: None)  # nor this one
+    assert few_row_view(pre_hooked) is pre_hooked
+    mixed = make_chain("llama", depth=1)[0]
+    mixed.lm_head.to(torch.bfloat16)  # a layer in another dtype than the probed one keeps nn.Linear
+    view = few_row_view(mixed)
+    assert type(view.lm_head) is torch.nn.Linear
+    assert any(type(m) is FewRowLinear for m in view.modules())
     monkeypatch.setattr(few_rows, "transposed_pays", lambda *shape: False)
     fresh = make_chain("llama", depth=1)[0]
     assert few_row_view(fresh) is fresh
@@ -238,3 +256,10 @@ def test_the_probe_measures_the_largest_layer_but_the_output_layer(monkeypatch, 
     largest = max(others, key=lambda m: m.weight.numel())
     few_row_view(target)
     assert asked == [(largest.in_features, largest.out_features, torch.float32, torch.get_num_threads())]
+    asked.clear()
+    other = make_chain("llama", depth=1, seed=1)[0]
+    doubled = max((m for m in other.modules() if type(m) is torch.nn.Linear and m is not other.lm_head),
+                  key=lambda m: m.weight.numel())
+    doubled.to(torch.float64)  # a dtype the kernel is not taken for: not probed
+    few_row_view(other)
+    assert asked and all(shape[2] == torch.float32 for shape in asked)
