@@ -170,12 +170,17 @@ def test_greedy_chains_through_the_view_equal_plain_generate(forced, arch, depth
     forced["few"] = 0  # the fixture is set once for all examples: its counter starts again here
     target, *assistants = make_chain(arch, depth=depth, seed=seed)
     prompts = [prompt(n, seed=seed + row)[0] for row, n in enumerate(lengths)]
+    _assert_greedy_rows_through_the_view(forced, target, assistants, prompts, max_new_tokens=12)
+
+
+def _assert_greedy_rows_through_the_view(forced, target, assistants, prompts, max_new_tokens):
+    """A left-padded batch of ``prompts`` through the chain's views: verifications ran through them, every
+    level took part, and each row equals plain `generate`'s for it alone."""
     ids, mask = left_padded(prompts)
-    options = dict(do_sample=False, max_new_tokens=12, pad_token_id=PAD)
+    options = dict(do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=PAD)
     out = target.generate(ids, attention_mask=mask, custom_generate=hp.generate, assistant_models=assistants,
                           polybasic_config=hp.PolybasicConfig(schedule="constant", few_row_products=True),
-                          return_dict_in_generate=True,
-                          **options)
+                          return_dict_in_generate=True, **options)
     assert forced["few"] > 0  # verifications ran through the view
     assert_every_level_took_part(out.polybasic_stats, rejections=False, acceptances=False)
     assert_rows_as_alone(target, out.sequences, prompts, ids, options)
@@ -191,14 +196,7 @@ def test_greedy_chains_through_the_view_equal_plain_generate_over_attention_kind
     for model in (target, *assistants):
         model.set_attn_implementation(attention)
     prompts = [prompt(n, seed=11 + row)[0] for row, n in enumerate([4, 9])]
-    ids, mask = left_padded(prompts)
-    options = dict(do_sample=False, max_new_tokens=14, pad_token_id=PAD)
-    out = target.generate(ids, attention_mask=mask, custom_generate=hp.generate, assistant_models=assistants,
-                          polybasic_config=hp.PolybasicConfig(schedule="constant", few_row_products=True),
-                          return_dict_in_generate=True, **options)
-    assert forced["few"] > 0  # verifications ran through the view
-    assert_every_level_took_part(out.polybasic_stats, rejections=False, acceptances=False)
-    assert_rows_as_alone(target, out.sequences, prompts, ids, options)
+    _assert_greedy_rows_through_the_view(forced, target, assistants, prompts, max_new_tokens=14)
 
 
 @pytest.mark.parametrize("config", [hp.PolybasicConfig(), hp.PolybasicConfig(few_row_products=False)])
@@ -258,8 +256,8 @@ def test_the_probe_measures_the_largest_layer_but_the_output_layer(monkeypatch, 
     assert asked == [(largest.in_features, largest.out_features, torch.float32, torch.get_num_threads())]
     asked.clear()
     other = make_chain("llama", depth=1, seed=1)[0]
-    doubled = max((m for m in other.modules() if type(m) is torch.nn.Linear and m is not other.lm_head),
-                  key=lambda m: m.weight.numel())
-    doubled.to(torch.float64)  # a dtype the kernel is not taken for: not probed
+    in_float64 = max((m for m in other.modules() if type(m) is torch.nn.Linear and m is not other.lm_head),
+                     key=lambda m: m.weight.numel())
+    in_float64.to(torch.float64)  # a dtype the kernel is not taken for: not probed
     few_row_view(other)
     assert asked and all(shape[2] == torch.float32 for shape in asked)
