@@ -381,6 +381,43 @@ def test_a_round_proposes_at_all_only_where_its_first_top_probability_pays():
     assert half.calibration.next_acceptance(0.85) < 0.2 and half.first_draft_pays(0.85)
 
 
+def test_a_probe_after_declined_rounds_is_priced_without_the_calls_shift():
+    """A declined round reveals nothing, so a sampled call's `shift`, learned from a turn's first rejected
+    rounds, would decline every later round, the back-off's probes too (issue 47's AVX2 bench: a code
+    turn sat out 30 rounds after two rejected ones, and the rounds after accepted 23 drafts of 23). The
+    probe is priced by the bins without the shift and drafts; what it reveals moves the shift, and the
+    rounds after it, priced with the shift again, draft."""
+    memory = calibration_module._Remembered()
+    drafter, target = torch.nn.Linear(1, 1), torch.nn.Linear(1, 1)
+    carried = memory.start(drafter, target, sampled=True)
+    for accepted in (8,) * 10 + (5,) * 4:  # code: sure drafts, nearly all accepted
+        carried.observe([0.995] * 8, accepted=accepted)
+    memory.keep(drafter, target, carried)
+    calibration = memory.start(drafter, target, sampled=True)
+    for _ in range(5):  # the turn opens with sure drafts rejected
+        calibration.observe([0.995] * 4, accepted=0)
+    shift = calibration.shift
+    assert shift < -1 and calibration.unshifted().shift == 0.0 and calibration.shift == shift
+    assert calibration.unshifted().acceptance(0.995) > calibration.acceptance(0.995) + 0.1
+    schedule = CostAwareSchedule(4, 16, per_token=True, verifier_costs=Curve(_step_at_two), step_seconds=0.003,
+                                 calibration=calibration)
+    sure = [0.0] * (len(BIN_EDGES) + 1)
+    sure[-1] = 1.0
+    for _ in range(cost_aware.DECLINED_ROUNDS):
+        assert schedule.length() > 0 and not schedule.first_draft_pays(sure)
+        _round(schedule, 0, 0, 0.0, verify=_step_at_two(1))
+    assert schedule.backoff.paused
+    while not schedule.backoff.probing:
+        assert schedule.length() == 0
+        _round(schedule, 0, 0, 0.0, verify=_step_at_two(1))
+    assert schedule.length() > 0 and schedule.first_draft_pays(sure) and calibration.shift == shift
+    for _ in range(4):
+        schedule.keep_drafting(0.995)
+    _round(schedule, 4, 4, 4 * 0.003, verify=_step_at_two(5))
+    assert not schedule.backoff.probing and calibration.shift > shift
+    assert schedule.first_draft_pays(sure)  # no longer a probe: priced with the shift the probe moved
+
+
 def test_a_sampled_first_draft_is_priced_over_its_draw_not_its_top():
     """Sampling draws an unsure token from a flat distribution as often as its mass says: a first
     position whose top (0.45) is always accepted but which puts 0.55 of its mass on tokens never

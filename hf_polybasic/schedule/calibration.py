@@ -32,6 +32,7 @@ decoding, a pessimistic one only forgoes some of the gain, and its bins learn th
 
 from __future__ import annotations
 
+import copy
 import math
 from bisect import bisect_right
 from collections.abc import Sequence
@@ -105,6 +106,13 @@ class ConfidenceCalibration:
 
     def next_acceptance(self, confidence: float) -> float:
         return self._rate(self._next[_bin(confidence)])
+
+    def unshifted(self) -> ConfidenceCalibration:
+        """These curves as the bins hold them, without this call's `shift` (a copy that shares the
+        bins: read it, never `observe` into it)."""
+        view = copy.copy(self)
+        view.shift = 0.0
+        return view
 
     def drawn_acceptance(self, spread: Sequence[float]) -> tuple[float, float]:
         """For a draft not drawn yet, whose confidence falls in bin b with probability ``spread[b]``

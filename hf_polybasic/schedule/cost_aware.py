@@ -21,7 +21,11 @@ overhead o; this level's proposals cost s per token (measured).
   once the calibration is the pair's own, the round proposes only where some proposal, its first
   token priced by the calibrated acceptance of that draw, beats the parent decoding the position alone
   (where T_v(2) = 2 T_v(1), an unsure first draft costs a whole step; `DECLINED_ROUNDS` declines in
-  a row back the level off, since each cost a drafter forward). A level the gate decides is not
+  a row back the level off, since each cost a drafter forward). A declined round reveals nothing, so
+  a sampled call's `shift` (its text agreeing less than the pair's record) only moves back by drafting:
+  the probe after a back-off is priced by the bins without it (issue 47, AVX2: after two rejected
+  rounds at a code turn's start the gate declined 30 rounds in a row, probes included, and the rounds
+  that followed accepted 23 drafts of 23). A level the gate decides is not
   also paused by the average test below (`gates_rounds`): after a turn's unsure opening that test
   sat out stretches the drafter went on to match.
 * **A `Drafter`** (no confidences: n-gram lookups) proposes the length in 1 .. ``maximum`` that
@@ -210,6 +214,8 @@ class CostAwareSchedule:
         if not calibration.calibrated:
             return True
         self.gates_rounds = True
+        if self.backoff.probing:  # declined rounds reveal nothing: a probe is priced without this call's shift
+            calibration = calibration.unshifted()
         if isinstance(top, float):
             first, later = calibration.acceptance(top), calibration.next_acceptance(top)
         else:
