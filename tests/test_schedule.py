@@ -384,7 +384,7 @@ def test_a_round_proposes_at_all_only_where_its_first_top_probability_pays():
 def test_a_probe_after_declined_rounds_is_priced_without_the_calls_shift():
     """A declined round reveals nothing, so a sampled call's `shift`, learned from a turn's first rejected
     rounds, would decline every later round, the back-off's probes too (issue 47's AVX2 bench: a code
-    turn sat out 30 rounds after two rejected ones, and the rounds after accepted 23 drafts of 23). The
+    turn drafted nothing for 33 rounds after two rejected ones, and the rounds after accepted 23 of 23). The
     probe is priced by the bins without the shift and drafts; what it reveals moves the shift, and the
     rounds after it, priced with the shift again, draft."""
     memory = calibration_module._Remembered()

@@ -24,10 +24,10 @@ overhead o; this level's proposals cost s per token (measured).
   a row back the level off, since each cost a drafter forward). A declined round reveals nothing, so
   a sampled call's `shift` (its text agreeing less than the pair's record) only moves back by drafting:
   the probe after a back-off is priced by the bins without it (issue 47, AVX2: after two rejected
-  rounds at a code turn's start the gate declined 30 rounds in a row, probes included, and the rounds
-  that followed accepted 23 drafts of 23). A level the gate decides is not
-  also paused by the average test below (`gates_rounds`): after a turn's unsure opening that test
-  sat out stretches the drafter went on to match.
+  rounds at a code turn's start it drafted nothing for 33 rounds, 11 declined by the gate and 22 in
+  back-offs whose probes it declined too, and the rounds that followed accepted 23 drafts of 23).
+  A level the gate decides is not also paused by the average test below (`gates_rounds`): after a
+  turn's unsure opening that test sat out stretches the drafter went on to match.
 * **A `Drafter`** (no confidences: n-gram lookups) proposes the length in 1 .. ``maximum`` that
   maximises expected tokens per second from its running acceptance (`rates.best_length`).
 * **Back-off** (`BackOff`): for a level its first-draft gate does not decide, rounds go on while
