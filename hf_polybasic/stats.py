@@ -33,6 +33,8 @@ class LevelStats:
         accepted: of those, how many it accepted.
         acceptance_lengths: per verification, accepted + 1 (see module docstring).
         proposed: tokens this level handed up to the level above (0 for the target).
+        withheld: tokens this level drafted by argmax and did not hand up, where verifying fewer paid
+            more (`hf_polybasic.schedule.CostAwareSchedule.proposal_size`).
         paused_rounds: rounds in which this level proposed nothing because, by the cost-aware
             schedule's measurements, the level above decoding alone was faster (back-off).
         forward_costs: this model's forward cost on this machine as the cost-aware schedule saw it
@@ -68,6 +70,7 @@ class LevelStats:
     accepted: int = 0
     acceptance_lengths: list[int] = field(default_factory=list)
     proposed: int = 0
+    withheld: int = 0
     paused_rounds: int = 0
     forward_costs: dict[int, float] | None = None
     runner: str = ""
@@ -113,6 +116,7 @@ class LevelStats:
         self.accepted += other.accepted
         self.acceptance_lengths.extend(other.acceptance_lengths)
         self.proposed += other.proposed
+        self.withheld += other.withheld
         self.paused_rounds += other.paused_rounds
         self.forward_costs = other.forward_costs or self.forward_costs
         self.runner = self.runner or other.runner

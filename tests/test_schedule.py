@@ -30,7 +30,7 @@ from hf_polybasic.decoding.protocol import Proposal
 from hf_polybasic.schedule.backoff import MAX_BACKOFF_ROUNDS
 from hf_polybasic.schedule import calibration as calibration_module
 from hf_polybasic.schedule.calibration import BIN_EDGES
-from hf_polybasic.schedule.rates import best_round_rate
+from hf_polybasic.schedule.rates import best_proposal, best_round_rate
 from hf_polybasic.schedule.batch_gate import BLIND_LENGTH, PLAIN_FIRST_ROUNDS
 from hf_polybasic.schedule import batch_gate, cost_aware
 from hf_polybasic.schedule import (
@@ -353,7 +353,7 @@ def test_a_round_proposes_at_all_only_where_its_first_top_probability_pays():
     """`first_draft_pays` on a curve where any proposal costs the parent a second step (T(2) = 2 T(1),
     flat beyond: unpacked fp32 on AVX2): every round proposes until the calibration is the pair's own;
     then a first position whose probability bin was never accepted declines and a sure one proposes;
-    `DECLINED_ROUNDS` declines in a row back the level off, and a round that pays restarts the count."""
+    `DECLINED_ROUNDS` declines in a row back the level off, and a round that proposes restarts the count."""
     schedule = CostAwareSchedule(4, 16, per_token=True, verifier_costs=Curve(lambda k: 0.1 if k == 1 else 0.2),
                                  step_seconds=0.01)
     assert not schedule.calibration.calibrated and schedule.first_draft_pays(0.1)
@@ -364,9 +364,11 @@ def test_a_round_proposes_at_all_only_where_its_first_top_probability_pays():
     for _ in range(cost_aware.DECLINED_ROUNDS - 1):
         assert not schedule.first_draft_pays(0.1)
     assert schedule.first_draft_pays(0.97)
+    schedule.keep_drafting(0.97)
+    schedule.observe_verification(1, 1, 0.2)
     for _ in range(cost_aware.DECLINED_ROUNDS - 1):
         assert not schedule.first_draft_pays(0.1)
-    assert not schedule.backoff.paused  # the pass in between restarted the count
+    assert not schedule.backoff.paused  # the round that proposed in between restarted the count
     assert not schedule.first_draft_pays(0.1)
     assert schedule.backoff.paused and schedule.length() == 0
     # the price is the curve's: where a first draft costs the parent nothing, even that bin's pays
@@ -379,6 +381,84 @@ def test_a_round_proposes_at_all_only_where_its_first_top_probability_pays():
     for _ in range(20):
         half.calibration.observe([0.85, 0.1], accepted=1)
     assert half.calibration.next_acceptance(0.85) < 0.2 and half.first_draft_pays(0.85)
+
+
+def _three_steps(k):
+    """Issue 47's AVX2 machine, the fp32 1.5B as loaded (trace of 2026-12-01): one token a step, two
+    two steps, three to 17 about three, then a gentle rise."""
+    return 0.010 * min(k, 3) + 0.0005 * max(k - 17, 0)
+
+
+def _calibrated(curve, sure=0.97, unsure=0.3):
+    """A greedy model level on ``curve`` whose calibration says: drafts of confidence ``sure`` are
+    always accepted, drafts of ``unsure`` one time in five."""
+    schedule = CostAwareSchedule(4, 16, per_token=True, verifier_costs=Curve(curve), step_seconds=0.001)
+    for _ in range(20):
+        schedule.calibration.observe([sure, sure, unsure], accepted=2)
+        schedule.calibration.observe([sure, sure, unsure], accepted=3 if _ % 5 == 0 else 2)
+    assert schedule.calibration.calibrated
+    return schedule
+
+
+def test_a_round_that_stopped_at_an_unsure_draft_proposes_what_pays():
+    """`proposal_size`: with T(2) = 2 T(1) and T(3..17) = 3 T(1), a round that stopped after a sure and
+    an unsure draft proposes neither (E_1 = 2 tokens for two steps, E_2 = 2.2 for three: both lose to
+    decoding alone, 0), one that stopped after four sure drafts and an unsure one proposes all five
+    (the unsure one is free within the step); on a flat curve every draft is proposed; before the
+    calibration is the pair's own, or with a draft no confidence was asked of, all of them."""
+    stepped = _calibrated(_three_steps)
+    for confidences, size in [([0.97, 0.3], 0), ([0.97] * 4 + [0.3], 5), ([0.3], 0), ([0.97, 0.97, 0.97], 3)]:
+        for confidence in confidences:
+            stepped.keep_drafting(confidence)
+        assert stepped.proposal_size(len(confidences)) == size, confidences
+        stepped.observe_verification(size, size, 0.01)  # ends the round
+    acceptance = stepped.calibration.acceptance
+    expected = [1.0, 1 + acceptance(0.97), 1 + acceptance(0.97) * (1 + acceptance(0.3))]
+    assert expected[1] * _three_steps(1) < _three_steps(2) and expected[2] * _three_steps(1) < _three_steps(3)
+    flat = _calibrated(lambda k: 0.010)
+    for confidence in [0.97, 0.3]:
+        flat.keep_drafting(confidence)
+    assert flat.proposal_size(2) == 2
+    fresh = CostAwareSchedule(4, 16, per_token=True, verifier_costs=Curve(_three_steps), step_seconds=0.001)
+    fresh.keep_drafting(0.3)
+    assert not fresh.calibration.calibrated and fresh.proposal_size(1) == 1
+    stepped.keep_drafting(0.97)
+    assert stepped.proposal_size(2) == 2  # the second (an EOS, the budget's last) was not asked about
+    assert ConstantSchedule(4).proposal_size(3) == 3
+    assert best_proposal([0.0, 0.0], lambda k: 0.010) == 2  # equal savings (none): the longest
+    assert best_proposal([1.0, 0.0, 1.0], _three_steps) == 1 and best_proposal([], _three_steps) == 0
+    # rounds that drafted and proposed nothing back the level off as declined ones do; one that
+    # proposes restarts the count
+    stepped.observe_verification(0, 0, 0.01)
+    for rounds in (cost_aware.DECLINED_ROUNDS - 1, cost_aware.DECLINED_ROUNDS):
+        for _ in range(rounds):
+            stepped.keep_drafting(0.97), stepped.keep_drafting(0.3)
+            assert stepped.proposal_size(2) == 0
+            stepped.observe_verification(0, 0, 0.01)
+        assert stepped.backoff.paused == (rounds == cost_aware.DECLINED_ROUNDS)
+        if not stepped.backoff.paused:
+            stepped.keep_drafting(0.97)
+            stepped.observe_verification(1, 1, 0.02)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_greedy_rounds_withhold_unsure_drafts_past_a_step_and_keep_plain_generates_output(arch):
+    """On `_three_steps`' machine with a drafter that agrees with the target in streaks and disagrees
+    between them, the drafter withholds drafts (`LevelStats.withheld`) and the output is plain greedy
+    `generate`'s; sampling never withholds (a draft dropped for its value would bias its verification)."""
+    target = make_target(arch, seed=13, layers=4, logit_scale=40.0)  # peaked: drafts of every confidence
+    drafter = noisy_copy(target, 0.2, seed=3)
+    ids, options = prompt(6, seed=4), dict(max_new_tokens=48, eos_token_id=None)
+    with simulated_machine({target: _three_steps, drafter: lambda k: 0.0009}) as generate:
+        chain = dict(custom_generate=generate, assistant_models=[drafter], return_dict_in_generate=True, **options)
+        target.generate(ids, do_sample=False, **chain)  # calibrates the pair
+        out = target.generate(ids, do_sample=False, **chain)
+        sampled = target.generate(ids, do_sample=True, **chain)
+    assert torch.equal(out.sequences, target.generate(ids, do_sample=False, **options))
+    assert_every_level_took_part(out.polybasic_stats)
+    drafter_level = out.polybasic_stats.levels[1]
+    assert drafter_level.withheld > 0 and drafter_level.proposed > 0
+    assert sampled.polybasic_stats.levels[0].drafted > 0 and sampled.polybasic_stats.levels[1].withheld == 0
 
 
 def test_a_probe_after_declined_rounds_is_priced_without_the_calls_shift():

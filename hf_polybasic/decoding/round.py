@@ -576,6 +576,8 @@ class ModelDrafter(Proposer):
             device.stop()
         seconds = span.seconds - catch_up
         if stepwise:
+            for row in by_confidence:
+                self._withhold(row, blocks[row])
             self._observe(blocks, seconds)
             return {row: block.proposal() for row, block in blocks.items()}
         pieces = [piece for row in requests for piece in self._pieces(row, drawn.get(row, []))]
@@ -714,6 +716,18 @@ class ModelDrafter(Proposer):
                 self._widths[row] = next_width(width, index + 1)
                 return
         self._widths[row] = next_width(width, None)
+
+    def _withhold(self, row: int, block: Block) -> None:
+        """Once the row's drafting has stopped, propose only as many of its drafts as its schedule says
+        pay (`CostAwareSchedule.proposal_size`): argmax drafts only, which are a function of the text
+        so far, so withholding them keeps verification exact; a sampled draft is proposed whatever it is.
+        Drafts read with the verifier's decision (`_cut_by_confidence`) are verified whole before the
+        read: withholding them there would save nothing."""
+        if self.samples or not block.size:
+            return
+        size = self._active[row].proposal_size(block.size)
+        self.stats.withheld += block.size - size
+        block.truncate(size)
 
     def proposal_probs(self, probs: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         """What is reported upward for a sampled token: the processed distribution it was drawn from."""

@@ -24,8 +24,9 @@ for all of them, by the clock) in `batch_gate`, and whether a middle level takes
 Why every schedule is lossless: the length is chosen from the past only (acceptance counts,
 timings, the tokens already drafted, which are all kept, and whether a round proposes at all, which
 is decided from the drafter's distribution at its first position, not from the token drawn from it),
-never by a drawn token's value, and verification of each proposed token is exact whatever the length
-(a length of 0 is plain decoding).
+never by a sampled token's value (argmax drafts, a function of the text so far, may be withheld once
+drafting stops: `proposal_size`), and verification of each proposed token is exact whatever the
+length (a length of 0 is plain decoding).
 """
 
 from __future__ import annotations
@@ -63,6 +64,10 @@ class Schedule(Protocol):
         """Whether a round that stops by confidence proposes at all, from its first position's
         distribution (not the drawn token): greedy, its largest probability; sampling, its mass in
         each confidence bin (`calibration.BIN_EDGES`)."""
+        ...
+
+    def proposal_size(self, drafted: int) -> int:
+        """How many of a round's ``drafted`` argmax drafts to propose, once drafting has stopped."""
         ...
 
     def observe_proposal(self, num_tokens: int, seconds: float) -> None: ...

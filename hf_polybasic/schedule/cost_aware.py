@@ -28,6 +28,11 @@ overhead o; this level's proposals cost s per token (measured).
   back-offs whose probes it declined too, and the rounds that followed accepted 23 drafts of 23).
   A level the gate decides is not also paused by the average test below (`gates_rounds`): after a
   turn's unsure opening that test sat out stretches the drafter went on to match.
+  Once a greedy round's drafting has stopped, it proposes only the drafts that pay
+  (`proposal_size`): the gate priced the first draft as if the streak went on, and where the cost
+  curve steps, a round that stopped at an unsure second or third draft pays more proposing fewer,
+  or none (the drafting is spent either way). Rounds that drafted and proposed nothing count as
+  declined ones towards the back-off.
 * **A `Drafter`** (no confidences: n-gram lookups) proposes the length in 1 .. ``maximum`` that
   maximises expected tokens per second from its running acceptance (`rates.best_length`).
 * **Back-off** (`BackOff`): for a level its first-draft gate does not decide, rounds go on while
@@ -45,9 +50,9 @@ overhead o; this level's proposals cost s per token (measured).
   decoding also make it back off.
 
 Lossless: lengths come from the past and from tokens already proposed (kept whatever they are),
-and whether a round proposes at all from the drafter's distribution before its draw counts; no drawn
-token is ever dropped because of its value, and verification is exact whatever the length
-(0 is plain decoding). Lengths depend on timings, so sampled outputs are exactly distributed but
+and whether a round proposes at all from the drafter's distribution before its draw counts; no
+sampled token is ever dropped because of its value (argmax drafts, a function of the text so far, may
+be withheld), and verification is exact whatever the length (0 is plain decoding). Lengths depend on timings, so sampled outputs are exactly distributed but
 not bit-reproducible from a seed.
 """
 
@@ -59,7 +64,8 @@ from typing import Protocol
 from .backoff import MAX_BACKOFF_ROUNDS, BackOff
 from .batch_gate import BatchGate
 from .calibration import ConfidenceCalibration
-from .rates import acceptance_rate_estimate, best_length, best_round_rate, decayed, worth_more
+from .rates import (acceptance_rate_estimate, best_length, best_proposal, best_round_rate, decayed, never_pays,
+                    worth_more)
 
 # verifications before the back-off judges the rounds and a Drafter's length moves (the first one,
 # which includes the prompt's prefill, never counts towards a yield or the overhead)
@@ -136,9 +142,8 @@ class CostAwareSchedule:
         # lengths of those proposals (cut short or drafted on) are the prior's, so the shape gate takes
         # no verdict from their rounds
         self.uncalibrated_answers = 0
-        self._last_proposal_seconds = 0.0
-        self._checked_costs = False
-        self._declined = 0  # rounds in a row `first_draft_pays` declined
+        self._last_proposal_seconds, self._checked_costs = 0.0, False
+        self._declined = 0  # rounds in a row that drafted and proposed nothing (`first_draft_pays`, `proposal_size`)
         # whether `first_draft_pays` decides this level's rounds (asked with a calibration of the pair's own)
         self.gates_rounds = False
 
@@ -224,12 +229,29 @@ class CostAwareSchedule:
         step = self.seconds_per_token()
         extras = [extra - step for extra in self._extra_seconds(0)]
         pays = worth_more(first / later, later, 1.0, self.verification_seconds(1), extras)
-        # a declined round cost a drafter forward for nothing: declined in a row, the level backs off
-        self._declined = 0 if pays else self._declined + 1
+        if not pays:  # a drafter forward for nothing
+            self._proposed_nothing()
+        return pays
+
+    def _proposed_nothing(self) -> None:
+        """A round drafted and proposed nothing (`first_draft_pays`, `proposal_size`): `DECLINED_ROUNDS` in
+        a row back the level off; a round that proposes restarts the count (`observe_verification`)."""
+        self._declined += 1
         if self._declined >= DECLINED_ROUNDS:
             self._declined = 0
             self.backoff.pause()
-        return pays
+
+    def proposal_size(self, drafted: int) -> int:
+        """How many of a round's ``drafted`` argmax drafts to propose once drafting has stopped
+        (`rates.best_proposal`, priced by the calibration; see the module docstring). Before the
+        calibration is the pair's own, or with a draft no confidence was asked of, all of them."""
+        confidences = self._confidences[:drafted]
+        if not self.calibration.calibrated or len(confidences) < drafted:
+            return drafted
+        size = best_proposal([self.calibration.acceptance(value) for value in confidences], self.verification_seconds)
+        if size == 0:
+            self._proposed_nothing()
+        return size
 
     def _extra_seconds(self, drafted: int) -> list[float]:
         """What m = 1 .. `LOOKAHEAD` more tokens (within ``maximum``) add to a round of ``drafted``:
@@ -274,16 +296,10 @@ class CostAwareSchedule:
         return best > margin * self.plain_rate()
 
     def _proposing_cannot_pay(self) -> bool:
-        """Whether the costs alone rule proposing out: even if every proposed token were accepted,
-        every length would emit tokens more slowly than the parent decoding alone (a tie is left to
-        the rounds to settle)."""
+        """Whether the costs alone rule proposing out (`rates.never_pays`)."""
         if self.verifier_costs is None or self.step_seconds is None or not self.static_check:
             return False
-        plain = 1.0 / max(self.verification_seconds(1), 1e-12)
-        return all(
-            (length + 1) / (length * self.step_seconds + self.verification_seconds(length + 1)) < plain * (1 - 1e-6)
-            for length in range(1, self.maximum + 1)
-        )
+        return never_pays(self.step_seconds, self.verification_seconds, self.maximum)
 
     # --- what the level and its parent report --------------------------------------------------------
     def observe_proposal(self, num_tokens: int, seconds: float) -> None:
@@ -306,6 +322,7 @@ class CostAwareSchedule:
             self.overhead_seconds = decayed(self.overhead_seconds, max(seconds - forward, 0.0))
             self.overhead_rounds = decayed(self.overhead_rounds, 1.0)
         if num_drafted:
+            self._declined = 0
             self.accepted = decayed(self.accepted, num_accepted)
             self.rejections = decayed(self.rejections, float(num_accepted < num_drafted))
             self.first_accepted = decayed(self.first_accepted, float(num_accepted > 0))

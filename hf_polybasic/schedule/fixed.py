@@ -27,6 +27,9 @@ class ConstantSchedule:
     def first_draft_pays(self, top: float | Sequence[float]) -> bool:
         return True
 
+    def proposal_size(self, drafted: int) -> int:
+        return drafted
+
     def observe_proposal(self, num_tokens: int, seconds: float) -> None:
         pass
 

@@ -115,3 +115,27 @@ def worth_more(survival: float, next_acceptance: float, expected: float, round_s
         if gain * round_seconds > expected * extra:
             return True
     return False
+
+
+def best_proposal(acceptances: list[float], verification_seconds: Callable[[int], float]) -> int:
+    """Of a round's drafts, accepted with probabilities ``acceptances`` (each given every draft
+    before it was), how many to propose once drafting has stopped (its cost is spent whatever is
+    proposed): the j in 0 .. len(acceptances) whose verification saves the most against the parent
+    decoding alone, E_j T_v(1) - T_v(j + 1) with E_j = 1 + a_1 + a_1 a_2 + ... + a_1 ... a_j; of equals,
+    the longest."""
+    plain = verification_seconds(1)
+    gains, expected, survival = [0.0], 1.0, 1.0
+    for index, acceptance in enumerate(acceptances):
+        survival *= acceptance
+        expected += survival
+        gains.append(expected * plain - verification_seconds(index + 2))
+    return max(range(len(acceptances), -1, -1), key=gains.__getitem__)
+
+
+def never_pays(step_seconds: float, verification_seconds: Callable[[int], float], maximum: int) -> bool:
+    """Whether even perfect acceptance could not pay: every proposal length 1 .. ``maximum`` emits
+    tokens more slowly, (l + 1) / (l s + T_v(l + 1)), than the parent decoding alone, 1 / T_v(1) (a
+    tie is left to the rounds to settle)."""
+    plain = 1.0 / max(verification_seconds(1), 1e-12)
+    return all((length + 1) / (length * step_seconds + verification_seconds(length + 1)) < plain * (1 - 1e-6)
+               for length in range(1, maximum + 1))
