@@ -441,6 +441,27 @@ def test_a_round_that_stopped_at_an_unsure_draft_proposes_what_pays():
             stepped.observe_verification(1, 1, 0.02)
 
 
+def test_a_drafter_withholds_only_argmax_drafts_and_counts_them():
+    """`ModelDrafter._withhold`: an argmax drafter cuts its block to its schedule's `proposal_size` and
+    counts the rest in `LevelStats.withheld`; a sampling drafter proposes every draft whatever its
+    schedule would say (a draft dropped for its value is lossy: the negative control below,
+    `test_negative_control_length_chosen_after_drafting_is_rejected`)."""
+    from types import SimpleNamespace
+    from hf_polybasic.decoding.protocol import Block
+    from hf_polybasic.stats import LevelStats
+
+    class ProposesOne(ConstantSchedule):
+        def proposal_size(self, drafted):
+            return 1
+
+    for samples, size, withheld in [(False, 1, 2), (True, 3, 0)]:
+        drafter = SimpleNamespace(samples=samples, stats=LevelStats("M2", "drafter"), _active={0: ProposesOne(4)})
+        block = Block(frozenset(), budget=4)
+        block.extend(torch.tensor([4, 5, 6]), torch.full((3, 8), 0.125) if samples else None, ids=[4, 5, 6])
+        ModelDrafter._withhold(drafter, 0, block)
+        assert (block.size, drafter.stats.withheld, block.ids) == (size, withheld, [4, 5, 6][:size])
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_greedy_rounds_withhold_unsure_drafts_past_a_step_and_keep_plain_generates_output(arch):
     """On `_three_steps`' machine with a drafter that agrees with the target in streaks and disagrees
