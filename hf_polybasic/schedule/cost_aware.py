@@ -52,8 +52,8 @@ overhead o; this level's proposals cost s per token (measured).
 Lossless: lengths come from the past and from tokens already proposed (kept whatever they are),
 and whether a round proposes at all from the drafter's distribution before its draw counts; no
 sampled token is ever dropped because of its value (argmax drafts, a function of the text so far, may
-be withheld), and verification is exact whatever the length (0 is plain decoding). Lengths depend on timings, so sampled outputs are exactly distributed but
-not bit-reproducible from a seed.
+be withheld), and verification is exact whatever the length (0 is plain decoding). Lengths depend on
+timings, so sampled outputs are exactly distributed but not bit-reproducible from a seed.
 """
 
 from __future__ import annotations
