@@ -201,26 +201,56 @@ def test_a_batch_of_device_rounds_is_what_the_mean_acceptance_says_one_more():
     assert rounds_needed(100, 1.0, 100) == MAX_ROUNDS and rounds_needed(0, 3.0, 5) == 1
 
 
+class _Stops:
+    """A schedule that records what it is asked (`keep_drafting`: go on while the confidence is above 0.5)
+    and told (`closed_at`); every round proposes (`first_draft_pays`)."""
+
+    def __init__(self):
+        self.asked, self.told = [], []
+
+    def first_draft_pays(self, top):
+        return True
+
+    def keep_drafting(self, confidence):
+        self.asked.append(confidence)
+        return confidence > 0.5
+
+    def closed_at(self, confidence):
+        self.told.append(confidence)
+
+
+def _full_block():
+    from hf_polybasic.decoding.protocol import Block
+
+    block = Block(frozenset(), budget=3)
+    block.extend(torch.tensor([4, 5, 6]), ids=[4, 5, 6])
+    return block
+
+
 def test_a_round_that_closes_a_block_is_still_stopped_by_confidence_before_its_last_token():
     """`IntermediateLevel._stop_within`: a round whose tokens reach the block's budget is asked about
-    every token but the one that closes the block (a stop there changes nothing); it asked about none,
-    so a long round that filled the block skipped the stop (seen with rounds decided on the device)."""
-    from hf_polybasic.decoding.protocol import Block
+    every token but the one that closes the block (a stop there changes nothing), which it is told
+    (`closed_at`: its confidence is the calibration's too); it asked about none, so a long round that
+    filled the block skipped the stop (seen with rounds decided on the device)."""
     from hf_polybasic.decoding.round import IntermediateLevel
 
-    class Stops:
-        def __init__(self):
-            self.asked = []
-
-        def keep_drafting(self, confidence):
-            self.asked.append(confidence)
-            return confidence > 0.5
-
-    for confidences, size, asked in [([0.9, 0.1, 0.9], 2, [0.9, 0.1]), ([0.9, 0.9, 0.1], 3, [0.9, 0.9])]:
-        block, schedule = Block(frozenset(), budget=3), Stops()
-        block.extend(torch.tensor([4, 5, 6]), ids=[4, 5, 6])
+    for confidences, size, asked, told in [([0.9, 0.1, 0.9], 2, [0.9, 0.1], []),
+                                           ([0.9, 0.9, 0.1], 3, [0.9, 0.9], [0.1])]:
+        block, schedule = _full_block(), _Stops()
         IntermediateLevel._stop_within(schedule, block, 0, confidences)
-        assert block.size == size and schedule.asked == asked
+        assert (block.size, schedule.asked, schedule.told) == (size, asked, told)
+
+
+def test_the_draft_that_fills_a_block_read_after_verification_is_told_to_its_schedule_not_asked():
+    """`ModelDrafter._cut_by_confidence` (drafts read with the level above's decision) asks `keep_drafting`
+    about every kept draft but the one that fills the block, which it tells (`closed_at`), as
+    `_keep_step` and the middle level (above) do: the calibration and `proposal_size` see every draft's
+    confidence."""
+    from types import SimpleNamespace
+
+    block, schedule = _full_block(), _Stops()
+    ModelDrafter._cut_by_confidence(SimpleNamespace(_active={0: schedule}, _widths={}), 0, block, [0.9, 0.8, 0.7], 0.9, 3)
+    assert (block.size, schedule.asked, schedule.told) == (3, [0.9, 0.8], [0.7])
 
 
 def test_the_cost_aware_schedule_caps_a_drafter_whose_drafts_never_pass(shared_models):

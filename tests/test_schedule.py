@@ -17,6 +17,7 @@ from helpers import (
     assert_every_level_took_part,
     assert_target_could_sample,
     chi_square_p_value,
+    left_padded,
     sample_counts,
 )
 
@@ -51,7 +52,7 @@ from hf_polybasic.schedule import (
     worth_one_more,
 )
 import hf_polybasic as hp
-from hf_polybasic.testing import SimulatedClock, make_chain, cheap_drafting_costs, make_target, noisy_copy, prompt, simulated_machine
+from hf_polybasic.testing import PAD, SimulatedClock, make_chain, cheap_drafting_costs, make_target, noisy_copy, prompt, simulated_machine
 
 
 class Curve:
@@ -480,6 +481,23 @@ def test_greedy_rounds_withhold_unsure_drafts_past_a_step_and_keep_plain_generat
     drafter_level = out.polybasic_stats.levels[1]
     assert drafter_level.withheld > 0 and drafter_level.proposed > 0
     assert sampled.polybasic_stats.levels[0].drafted > 0 and sampled.polybasic_stats.levels[1].withheld == 0
+
+
+def test_rows_of_a_ragged_batch_withhold_the_draft_that_filled_their_block_and_keep_plain_generates_output():
+    """A batch's rows draft short blocks (a batch not yet seen to pay: `BatchGate.cap`), each filled to its
+    length; the draft that filled it is priced too (`Schedule.closed_at`), so a row withholds it where it does
+    not pay, and the left-padded batch's output is plain greedy `generate`'s."""
+    target = make_target("llama", seed=13, layers=4, logit_scale=40.0)
+    drafter = noisy_copy(target, 0.05, seed=3)
+    ids, mask = left_padded([prompt(n, seed=n)[0] for n in (5, 8)])
+    options = dict(max_new_tokens=48, eos_token_id=None, pad_token_id=PAD, do_sample=False)
+    with simulated_machine({target: _three_steps, drafter: lambda k: 0.0009}) as generate:
+        chain = dict(custom_generate=generate, assistant_models=[drafter], return_dict_in_generate=True, **options)
+        target.generate(ids, attention_mask=mask, **chain)  # calibrates the pair
+        out = target.generate(ids, attention_mask=mask, **chain)
+    assert torch.equal(out.sequences, target.generate(ids, attention_mask=mask, **options))
+    assert_every_level_took_part(out.polybasic_stats)
+    assert out.polybasic_stats.levels[1].withheld > 0
 
 
 def test_a_probe_after_declined_rounds_is_priced_without_the_calls_shift():

@@ -439,9 +439,11 @@ class IntermediateLevel(Proposer):
     def _stop_within(schedule, block: Block, before: int, confidences: list[float]) -> bool:
         """Ask the schedule, token by token, whether to go on after each new token (its confidence:
         this level's probability of it); on the first no, end the block right after that token. The
-        token that closes the block (its budget, an EOS) is not asked about: the block ends there anyway."""
+        token that closes the block (its budget, an EOS) is not asked about, only told (`closed_at`): the
+        block ends there anyway."""
         for index, confidence in enumerate(confidences):
             if block.closed and before + index + 1 == block.size:
+                schedule.closed_at(confidence)
                 break
             if not schedule.keep_drafting(confidence):
                 block.truncate(before + index + 1)
@@ -651,7 +653,9 @@ class ModelDrafter(Proposer):
                 continue
             block.extend(draw.token, draw.probs, ids=[int(token)])
             # the token just drawn is kept whatever it is; only whether to draw another depends on it
-            if not block.closed and self._active[row].keep_drafting(confidence):
+            if block.closed:
+                self._active[row].closed_at(confidence)
+            elif self._active[row].keep_drafting(confidence):
                 going.append(row)
         return going
 
@@ -710,7 +714,8 @@ class ModelDrafter(Proposer):
             return
         for index in range(block.size):
             if block.closed and index == block.size - 1:
-                break  # drafting would have ended here anyway: the schedule is not asked
+                schedule.closed_at(confidences[index])  # drafting would have ended here anyway: told, not asked
+                break
             if not schedule.keep_drafting(confidences[index]):
                 block.truncate(index + 1)
                 self._widths[row] = next_width(width, index + 1)

@@ -60,6 +60,10 @@ class Schedule(Protocol):
 
     def keep_drafting(self, confidence: float) -> bool: ...
 
+    def closed_at(self, confidence: float) -> None:
+        """The round's last draft, of this confidence, filled its block (no `keep_drafting` to ask)."""
+        ...
+
     def first_draft_pays(self, top: float | Sequence[float]) -> bool:
         """Whether a round that stops by confidence proposes at all, from its first position's
         distribution (not the drawn token): greedy, its largest probability; sampling, its mass in

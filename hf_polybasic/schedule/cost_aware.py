@@ -59,6 +59,8 @@ timings, so sampled outputs are exactly distributed but not bit-reproducible fro
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import accumulate
+from operator import mul
 from typing import Protocol
 
 from .backoff import MAX_BACKOFF_ROUNDS, BackOff
@@ -194,18 +196,19 @@ class CostAwareSchedule:
         """Whether a model level should propose one more token this round, given its confidence in
         the token it just proposed (which is kept either way)."""
         self._confidences.append(confidence)
-        drafted = len(self._confidences)
-        calibration = self.calibration
-        survival, expected = 1.0, 1.0
-        for value in self._confidences:
-            survival *= calibration.acceptance(value)
-            expected += survival
+        drafted, calibration = len(self._confidences), self.calibration
+        # P(the first i drafts are all accepted), i = 1 .. drafted
+        survivals = list(accumulate((calibration.acceptance(value) for value in self._confidences), mul))
         round_seconds = drafted * self.seconds_per_token() + self.verification_seconds(drafted + 1)
-        extras = self._extra_seconds(drafted)
-        going = worth_more(survival, calibration.next_acceptance(confidence), expected, round_seconds, extras)
+        going = worth_more(survivals[-1], calibration.next_acceptance(confidence), 1.0 + sum(survivals), round_seconds,
+                           self._extra_seconds(drafted))
         if not calibration.calibrated:
             self.uncalibrated_answers += 1
         return going
+
+    def closed_at(self, confidence: float) -> None:
+        """The round's last draft filled its block: its confidence is kept as `keep_drafting`'s are."""
+        self._confidences.append(confidence)
 
     def first_draft_pays(self, top: float | Sequence[float]) -> bool:
         """Whether a model level's round should propose at all, given its distribution at the round's
@@ -226,8 +229,7 @@ class CostAwareSchedule:
         else:
             first, later = calibration.drawn_acceptance(top)
         # the first token is drawn already: m tokens cost m - 1 more drafting steps
-        step = self.seconds_per_token()
-        extras = [extra - step for extra in self._extra_seconds(0)]
+        extras = [extra - self.seconds_per_token() for extra in self._extra_seconds(0)]
         pays = worth_more(first / later, later, 1.0, self.verification_seconds(1), extras)
         if not pays:  # a drafter forward for nothing
             self._proposed_nothing()

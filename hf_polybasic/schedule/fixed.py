@@ -24,6 +24,9 @@ class ConstantSchedule:
     def keep_drafting(self, confidence: float) -> bool:
         return True
 
+    def closed_at(self, confidence: float) -> None:
+        pass
+
     def first_draft_pays(self, top: float | Sequence[float]) -> bool:
         return True
 
