@@ -245,6 +245,9 @@ def test_every_call_is_recorded(quick_run):
     assert all(r["new_tokens"] == MAX_NEW and r["seconds"] > 0 for r in records)
     ours = [r for r in records if r["method"].startswith("ours-")]
     assert ours and all(r["levels"] and r["levels"][0]["role"] == "target" for r in ours)
+    # what each level withheld and how many rounds it sat out, as `polybasic_stats` counted them
+    assert all(isinstance(level[key], int) and level[key] >= 0
+               for r in ours for level in r["levels"] for key in ("withheld", "paused_rounds"))
     assert all(r["levels"] is None for r in records if not r["method"].startswith("ours-"))
     # the target's rounds: ours as its level counted them, transformers' as its candidate generator ran them
     assert all(r["rounds"] == {key: r["levels"][0][key] for key in ("verifications", "drafted", "accepted")}
@@ -256,6 +259,23 @@ def test_every_call_is_recorded(quick_run):
     assert all(r["target_forwards"] == MAX_NEW for r in plain)
     run = json.loads((result.output_dir / "run.json").read_text())
     assert run["machine"]["torch"] == torch.__version__ and run["command"] == "pytest tests/test_bench.py"
+
+
+def test_each_levels_withheld_drafts_and_paused_rounds_are_recorded_and_pooled():
+    """A call's record carries what `polybasic_stats` counted per level (`calls._level_rows`); the summary
+    adds them up over the calls it pools (`report._levels`)."""
+    from types import SimpleNamespace
+    from benchmarks.bench.calls import _level_rows
+    from benchmarks.bench.report import _levels
+    from hf_polybasic.stats import LevelStats
+
+    records = []
+    for withheld, paused in [(3, 2), (5, 1)]:
+        stats = SimpleNamespace(levels=[LevelStats("M1", "target"), LevelStats("M2", "drafter", withheld=withheld,
+                                                                              paused_rounds=paused)])
+        records.append({"levels": _level_rows(stats), "new_tokens": 8})
+    assert [(level["withheld"], level["paused_rounds"]) for level in records[0]["levels"]] == [(0, 0), (3, 2)]
+    assert [(level["withheld"], level["paused_rounds"]) for level in _levels(records)] == [(0, 0), (8, 3)]
 
 
 def test_table_and_plots_are_written(quick_run):
@@ -273,6 +293,9 @@ def test_table_and_plots_are_written(quick_run):
     levels = summary["table"]["overall"]["ours-mid-draft"]["levels"]
     assert [level["role"] for level in levels] == ["target", "intermediate", "drafter"]
     assert levels[0]["mean_acceptance_length"] >= 1.0
+    mine = [r for r in read_records(result.output_dir / "results.jsonl") if r["method"] == "ours-mid-draft"]
+    for key in ("withheld", "paused_rounds"):  # pooled over the method's calls
+        assert [level[key] for level in levels] == [sum(r["levels"][i][key] for r in mine) for i in range(3)]
     plots = sorted(p.name for p in result.output_dir.glob("*.png"))
     assert plots == sorted(["speedup.png"] + [f"acceptance_{m}.png" for m in bench_methods.DEFAULT_METHODS
                                               if m.startswith("ours-")])

@@ -38,6 +38,8 @@ def _level_rows(stats, labels: Sequence[str] = ()) -> list[dict] | None:
                 "drafted": level.drafted,
                 "accepted": level.accepted,
                 "proposed": level.proposed,
+                "withheld": level.withheld,
+                "paused_rounds": level.paused_rounds,
                 "seconds": level.seconds,
                 "mean_acceptance_length": level.mean_acceptance_length,
                 "acceptance_lengths": list(level.acceptance_lengths),

@@ -111,6 +111,8 @@ def _levels(records: Sequence[dict]) -> list[dict] | None:
                 "forward_passes": forwards,
                 "forward_passes_per_call": forwards / len(same),
                 "forward_passes_per_token": forwards / new_tokens if new_tokens else None,
+                "withheld": sum(level.get("withheld", 0) for level in same),
+                "paused_rounds": sum(level.get("paused_rounds", 0) for level in same),
                 "seconds": sum(level["seconds"] for level in same),
             }
         )
