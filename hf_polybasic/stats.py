@@ -33,8 +33,9 @@ class LevelStats:
         accepted: of those, how many it accepted.
         acceptance_lengths: per verification, accepted + 1 (see module docstring).
         proposed: tokens this level handed up to the level above (0 for the target).
-        withheld: tokens this level drafted by argmax and did not hand up, where verifying fewer paid
-            more (`hf_polybasic.schedule.CostAwareSchedule.proposal_size`).
+        withheld: tokens this level drafted and did not hand up: by argmax, where verifying fewer paid
+            more (`hf_polybasic.schedule.CostAwareSchedule.proposal_size`); sampling, at a position whose
+            distribution said proposing it did not pay (`CostAwareSchedule.next_draft_pays`).
         paused_rounds: rounds in which this level proposed nothing because, by the cost-aware
             schedule's measurements, the level above decoding alone was faster (back-off).
         forward_costs: this model's forward cost on this machine as the cost-aware schedule saw it

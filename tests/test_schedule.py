@@ -12,6 +12,8 @@ import dataclasses
 
 import pytest
 import torch
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
 from helpers import (
     ALPHA,
     assert_every_level_took_part,
@@ -31,7 +33,7 @@ from hf_polybasic.decoding.protocol import Proposal
 from hf_polybasic.schedule.backoff import MAX_BACKOFF_ROUNDS
 from hf_polybasic.schedule import calibration as calibration_module
 from hf_polybasic.schedule.calibration import BIN_EDGES
-from hf_polybasic.schedule.rates import best_proposal, best_round_rate
+from hf_polybasic.schedule.rates import best_proposal, best_round_rate, more_drafts_pay
 from hf_polybasic.schedule.batch_gate import BLIND_LENGTH, PLAIN_FIRST_ROUNDS
 from hf_polybasic.schedule import batch_gate, cost_aware
 from hf_polybasic.schedule import (
@@ -467,7 +469,7 @@ def test_a_drafter_withholds_only_argmax_drafts_and_counts_them():
 def test_greedy_rounds_withhold_unsure_drafts_past_a_step_and_keep_plain_generates_output(arch, noise):
     """On `_three_steps`' machine with a drafter that agrees with the target in streaks and disagrees
     between them, the drafter withholds drafts (`LevelStats.withheld`) and the output is plain greedy
-    `generate`'s; sampling never withholds (a draft dropped for its value would bias its verification)."""
+    `generate`'s."""
     target = make_target(arch, seed=13, layers=4, logit_scale=40.0)  # peaked: drafts of every confidence
     drafter = noisy_copy(target, noise, seed=3)
     ids, options = prompt(6, seed=4), dict(max_new_tokens=48, eos_token_id=None)
@@ -475,12 +477,27 @@ def test_greedy_rounds_withhold_unsure_drafts_past_a_step_and_keep_plain_generat
         chain = dict(custom_generate=generate, assistant_models=[drafter], return_dict_in_generate=True, **options)
         target.generate(ids, do_sample=False, **chain)  # calibrates the pair
         out = target.generate(ids, do_sample=False, **chain)
-        sampled = target.generate(ids, do_sample=True, **chain)
     assert torch.equal(out.sequences, target.generate(ids, do_sample=False, **options))
     assert_every_level_took_part(out.polybasic_stats)
     drafter_level = out.polybasic_stats.levels[1]
     assert drafter_level.withheld > 0 and drafter_level.proposed > 0
-    assert sampled.polybasic_stats.levels[0].drafted > 0 and sampled.polybasic_stats.levels[1].withheld == 0
+
+
+def test_sampled_rounds_stop_before_later_positions_their_distribution_says_do_not_pay():
+    """On `_three_steps`' machine, with the pair's sampled calibration learned, a sampled call's rounds stop
+    before later drafts by their position's distribution (`next_draft_pays`, counted as withheld), and
+    propose the rest."""
+    target = make_target("llama", seed=13, layers=4, logit_scale=40.0)
+    drafter = noisy_copy(target, 0.2, seed=3)
+    ids, options = prompt(6, seed=4), dict(max_new_tokens=64, eos_token_id=None, do_sample=True)
+    torch.manual_seed(0)
+    with simulated_machine({target: _three_steps, drafter: lambda k: 0.0009}) as generate:
+        chain = dict(custom_generate=generate, assistant_models=[drafter], return_dict_in_generate=True, **options)
+        target.generate(ids, **chain)  # calibrates the pair
+        out = target.generate(ids, **chain)
+    assert_every_level_took_part(out.polybasic_stats)
+    drafter_level = out.polybasic_stats.levels[1]
+    assert drafter_level.withheld > 0 and drafter_level.proposed > 0
 
 
 def test_rows_of_a_ragged_batch_withhold_the_draft_that_filled_their_block_and_keep_plain_generates_output():
@@ -565,17 +582,82 @@ def test_a_sampled_first_draft_is_priced_over_its_draw_not_its_top():
         calibration.drawn_acceptance([0.0] * len(spread))
 
 
+@settings(max_examples=300, deadline=None)
+@given(acceptances=st.lists(st.floats(0.05, 0.99), max_size=4), first=st.floats(0.01, 0.99),
+       later=st.floats(0.01, 0.99), step=st.floats(0.0, 0.05), rises=st.lists(st.floats(0.0, 0.2), min_size=11,
+                                                                                 max_size=11),
+       room=st.integers(0, 6), spent=st.sampled_from([0, 1]))
+def test_more_drafts_pay_exactly_when_some_longer_round_has_a_higher_expected_rate(acceptances, first, later, step,
+                                                                                   rises, room, spent):
+    """`rates.more_drafts_pay` against the rates themselves: l kept drafts accepted with probabilities a_i
+    (each given the ones before) make a round of E = 1 + a_1 + a_1 a_2 + ... tokens for C = l s + T(l + 1); m
+    more, the next accepted with ``first`` and each after it with ``later``, add S (first + first later + ...)
+    tokens (S = a_1 ... a_l) for (m - spent) s + T(l + 1 + m) - T(l + 1) seconds. Pays iff some m within
+    ``room`` raises E / C (ties, within rounding, left out)."""
+    def seconds(k):
+        return 0.1 + sum(rises[: k - 1])
+
+    survival, expected = 1.0, 1.0
+    for acceptance in acceptances:
+        survival *= acceptance
+        expected += survival
+    drafted = len(acceptances)
+    cost = drafted * step + seconds(drafted + 1)
+    margins = []
+    for m in range(1, room + 1):
+        gain = survival * sum(first * later ** i for i in range(m))
+        extra = (m - spent) * step + seconds(drafted + 1 + m) - seconds(drafted + 1)
+        margins.append((expected + gain) / (cost + extra) - expected / cost)
+    assume(all(abs(margin) > 1e-9 for margin in margins))
+    assert more_drafts_pay(acceptances, first, later, step, seconds, room, spent) == any(m > 0 for m in margins)
+
+
+def test_a_sampled_rounds_next_draft_is_priced_over_its_position_after_the_drafts_kept():
+    """`next_draft_pays`: after a kept draft, a position with most of its mass on confidences the target
+    accepts is proposed, one with most of it on confidences it rejects is not, one between is proposed
+    because its drafting step is spent already (without it, not); it prices `rates.more_drafts_pay` over
+    the kept drafts and the position's `drawn_acceptance`. Before the calibration is the pair's own, yes."""
+    schedule = CostAwareSchedule(4, 16, per_token=True, verifier_costs=Curve(lambda k: 0.1 if k <= 2 else 0.11),
+                                 step_seconds=0.01)
+
+    def spread(unsure):
+        masses = [0.0] * (len(BIN_EDGES) + 1)
+        masses[calibration_module._bin(0.1)], masses[calibration_module._bin(0.45)] = unsure, 1 - unsure
+        return masses
+
+    assert schedule.next_draft_pays(spread(1.0))
+    for _ in range(20):
+        schedule.calibration.observe([0.45, 0.45, 0.45, 0.1], accepted=3)
+        schedule.calibration.observe([0.1], accepted=0)
+    calibration = schedule.calibration
+    assert schedule.keep_drafting(0.45)
+    answers = {}
+    for unsure in (0.0, 0.8, 0.9):
+        priced = [[calibration.acceptance(0.45)], *calibration.drawn_acceptance(spread(unsure)), 0.01,
+                  schedule.verification_seconds, 15]
+        answers[unsure] = (schedule.next_draft_pays(spread(unsure)), more_drafts_pay(*priced, spent=1),
+                           more_drafts_pay(*priced, spent=0))
+    assert answers == {0.0: (True, True, True), 0.8: (True, True, False), 0.9: (False, False, False)}
+
+
 def test_the_draw_spread_is_the_mass_of_each_calibration_bin():
     """`draw_spread`: greedy, the top probability; sampling, the distribution's mass per bin, each
-    probability in the bin `calibration` would put a draft of that confidence in (edges included)."""
+    probability in the bin `calibration` would put a draft of that confidence in (edges included), on
+    distributions flat, peaked, with several tokens past the first edge, and with a token exactly at each
+    edge; over vocabularies smaller than the tokens that can lie past the first edge too."""
     generator = torch.Generator().manual_seed(3)
-    probs = torch.cat([torch.rand(2000, generator=generator).double(),  # every bin, and exactly its edges
-                       torch.tensor(BIN_EDGES, dtype=torch.float64)])
-    expected = [0.0] * (len(BIN_EDGES) + 1)
-    for value in probs.tolist():
-        expected[calibration_module._bin(value)] += value
-    assert draw_spread(probs, sampled=True).tolist() == pytest.approx(expected, abs=1e-6)
-    assert draw_spread(probs, sampled=False).tolist() == [probs.max().item()]
+    cases = [torch.rand(5000, generator=generator)]
+    cases += [(torch.randn(5000, generator=generator) * scale).softmax(-1) for scale in (1.0, 8.0, 15.0)]
+    cases += [torch.tensor([0.21, 0.2, 0.2, 0.39]), torch.tensor([0.5, 0.5]), torch.tensor([1.0])]
+    for edge in BIN_EDGES:  # a token exactly at the edge, the rest of the mass spread thin
+        cases.append(torch.cat([torch.tensor([edge]), torch.full((1000,), (1 - edge) / 1000)]).double())
+    for probs in cases:
+        probs = probs / probs.sum() if probs.dtype == torch.float32 else probs
+        expected = [0.0] * (len(BIN_EDGES) + 1)
+        for value in probs.double().tolist():
+            expected[calibration_module._bin(value)] += value
+        assert draw_spread(probs, sampled=True).tolist() == pytest.approx(expected, abs=1e-6)
+        assert draw_spread(probs, sampled=False).tolist() == [probs.max().item()]
 
 
 def test_it_backs_off_at_once_when_not_even_perfect_acceptance_could_pay():
@@ -1060,21 +1142,24 @@ def test_a_batch_that_rows_left_is_priced_again_as_the_smaller_batch_it_is():
     assert steep.backoff.paused_for == MAX_BACKOFF_ROUNDS
 
 
-def _forced_gate(monkeypatch, threshold: float, drawn: bool = False) -> dict:
-    """Every round that stops by confidence proposes only where the chance that its first draft's
-    probability is at least 0.2 (the mass of the first position's distribution in the calibration's
-    bins from 0.2 up, `draw_spread`, as `ModelDrafter` asks when sampling) is at least ``threshold``;
-    for the negative control, the gate sees the drawn token's own bin instead (a point mass there).
-    Counts the gate's answers."""
+def _forced_gate(monkeypatch, threshold: float, drawn: bool = False, gate: str = "first_draft_pays") -> dict:
+    """Every round that stops by confidence proposes a draft at the positions ``gate`` prices (its first:
+    `first_draft_pays`; sampling, each later one: `next_draft_pays`) only where the chance that the draft's
+    probability is at least 0.2 (the mass of that position's distribution in the calibration's bins from
+    0.2 up, `draw_spread`, as `ModelDrafter` asks when sampling) is at least ``threshold``; the other gate
+    passes every draft. For the negative control, the gates see the drawn token's own bin instead (a point
+    mass there). Counts the gate's answers."""
     asked = {"passed": 0, "declined": 0}
 
-    def gate(self, spread):
+    def forced(self, spread):
         assert isinstance(spread, list) and len(spread) == len(BIN_EDGES) + 1 and sum(spread) == pytest.approx(1.0)
         passes = sum(spread[1:]) >= threshold
         asked["passed" if passes else "declined"] += 1
         return passes
 
-    monkeypatch.setattr(CostAwareSchedule, "first_draft_pays", gate)
+    other = {"first_draft_pays": "next_draft_pays", "next_draft_pays": "first_draft_pays"}[gate]
+    monkeypatch.setattr(CostAwareSchedule, gate, forced)
+    monkeypatch.setattr(CostAwareSchedule, other, lambda self, spread: True)
     if drawn:
         draw = ModelDrafter.draw
 
@@ -1120,6 +1205,31 @@ def test_negative_control_rounds_declined_by_their_drawn_tokens_probability_are_
         distribution_models, exact_distribution, monkeypatch):
     monkeypatch.setattr(batch_gate, "PLAIN_FIRST_ROUNDS", 0)
     asked = _forced_gate(monkeypatch, 0.55, drawn=True)
+    counts, stats = _gated_counts(distribution_models, seed=11)
+    assert_every_level_took_part(stats)
+    assert asked["passed"] > 0 and asked["declined"] > 0, asked
+    assert chi_square_p_value(counts, exact_distribution("temperature+top_k+top_p")) < ALPHA
+
+
+def test_sampled_rounds_stopped_before_a_later_position_by_its_distribution_sample_the_target_distribution(
+        distribution_models, exact_distribution, monkeypatch):
+    """Sampled rounds that stop before a later draft where the drafter's distribution at that position puts
+    too little mass on probabilities of 0.2 and more (`next_draft_pays`, forced so; `_forced_gate`): decided
+    from the position's distribution before its draw counts, a stopping rule, so sampling stays exact; the
+    drafts it stops before are counted as withheld."""
+    monkeypatch.setattr(batch_gate, "PLAIN_FIRST_ROUNDS", 0)
+    asked = _forced_gate(monkeypatch, 0.55, gate="next_draft_pays")
+    counts, stats = _gated_counts(distribution_models, seed=11)
+    assert_every_level_took_part(stats)
+    assert asked["passed"] > 0 and asked["declined"] > 0, asked
+    assert stats.levels[1].withheld == asked["declined"]
+    assert chi_square_p_value(counts, exact_distribution("temperature+top_k+top_p")) > ALPHA
+
+
+def test_negative_control_later_drafts_withheld_by_their_drawn_tokens_probability_are_caught(
+        distribution_models, exact_distribution, monkeypatch):
+    monkeypatch.setattr(batch_gate, "PLAIN_FIRST_ROUNDS", 0)
+    asked = _forced_gate(monkeypatch, 0.55, drawn=True, gate="next_draft_pays")
     counts, stats = _gated_counts(distribution_models, seed=11)
     assert_every_level_took_part(stats)
     assert asked["passed"] > 0 and asked["declined"] > 0, asked

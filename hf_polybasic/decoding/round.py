@@ -464,14 +464,14 @@ class IntermediateLevel(Proposer):
 class Draw:
     """One token a model drafted for a row, still on the device: the token ``[1]``, the distribution
     reported for it (``[1, V]`` when sampling, else None), its probability when asked, and whether
-    the processed scores it came from had any finite value; at a round's first position, what its
-    first-draft gate prices (``top``, `draw_spread`)."""
+    the processed scores it came from had any finite value; where a gate prices the position (a round's
+    first, and sampling on the host every later one), what it prices (``top``, `draw_spread`)."""
 
     token: torch.LongTensor
     probs: torch.Tensor | None
     confidence: torch.Tensor | None
     valid: torch.Tensor
-    top: torch.Tensor | None = None  # [1] greedy, [bins] sampling; at a round's first position only
+    top: torch.Tensor | None = None  # [1] greedy, [bins] sampling; at gated positions only
 
 
 @functools.cache
@@ -487,9 +487,14 @@ def draw_spread(probs: torch.Tensor, sampled: bool) -> torch.Tensor:
     drawn token's confidence falls there, `calibration.BIN_EDGES`)."""
     if not sampled:
         return probs.max().reshape(1)
-    probs = probs.double()  # as the host compares a confidence read back with the edges
-    bins = torch.bucketize(probs, _bin_edges(probs.device), right=True)  # the bin `calibration` puts it in
-    return torch.zeros(len(BIN_EDGES) + 1, dtype=probs.dtype, device=probs.device).scatter_add_(0, bins, probs)
+    # past the first edge only the largest 1 / edge probabilities can lie (a distribution sums to 1):
+    # bin those as the host bins a confidence read back (in double), the rest is the first bin's mass
+    top = probs.topk(min(int(1 / BIN_EDGES[0]), probs.shape[0])).values.double()
+    top = torch.where(top >= BIN_EDGES[0], top, 0.0)
+    bins = torch.bucketize(top, _bin_edges(probs.device), right=True)  # the bin `calibration` puts it in
+    spread = torch.zeros(len(BIN_EDGES) + 1, dtype=top.dtype, device=probs.device).scatter_add_(0, bins, top)
+    spread[0] = probs.sum().double() - top.sum()
+    return spread
 
 
 # Where reads wait for the device, a schedule that stops by confidence drafts this many tokens in
@@ -569,8 +574,9 @@ class ModelDrafter(Proposer):
                 if behind > 1:
                     catch_up += forward.seconds * (behind - 1) / behind
                 for row in drafting:
-                    first = blocks[row].size + len(drawn[row]) == 0
-                    drawn[row].append(self.draw(row, grown[row], logits[row], row in by_confidence, first))
+                    # a gate prices a round's first position, and, sampling on the host, every later one
+                    gated = blocks[row].size + len(drawn[row]) == 0 or (stepwise and self.samples)
+                    drawn[row].append(self.draw(row, grown[row], logits[row], row in by_confidence, gated))
                 if stepwise:
                     drafting = self._keep_step(blocks, drawn, drafting)
                 else:
@@ -612,10 +618,10 @@ class ModelDrafter(Proposer):
         return proposals
 
     def draw(self, row: int, grown: torch.LongTensor, logits: torch.Tensor, confidence: bool,
-             first: bool = False) -> Draw:
+             gated: bool = False) -> Draw:
         """The row's next token, drawn on the device: its processed distribution's argmax, or a sample
-        of it; with ``confidence``, its probability, and at a round's ``first`` position what the
-        first-draft gate prices (`draw_spread`). A position where the processors leave no finite
+        of it; with ``confidence``, its probability, and where a gate prices the position (``gated``)
+        what it prices (`draw_spread`). A position where the processors leave no finite
         score (a constraint outside what this model proposes) draws nothing valid."""
         logits = logits.to(grown.device)  # [1, V]
         scores = process_positions(self.rules[row].processors, grown, grown.shape[0], logits)
@@ -628,11 +634,12 @@ class ModelDrafter(Proposer):
         reported = self.proposal_probs(probs, logits) if self.samples else None
         if not confidence:
             return Draw(token, reported, None, valid)
-        return Draw(token, reported, probs[0, token], valid, draw_spread(probs[0], self.samples) if first else None)
+        return Draw(token, reported, probs[0, token], valid, draw_spread(probs[0], self.samples) if gated else None)
 
     def _keep_step(self, blocks: dict[int, Block], drawn: dict[int, list[Draw]], rows: list[int]) -> list[int]:
         """Read the latest draw of every row back (one read for all: token, validity, confidence, and
-        at a round's first position what its gate prices), add it to the row's block; the rows that
+        what a gate prices: at a round's first position, and sampling at every later one), add it to the
+        row's block unless its gate declines it (counted as withheld after the first); the rows that
         draft another."""
         latest = [drawn[row].pop() for row in rows]
         read = HostRead()
@@ -647,15 +654,18 @@ class ModelDrafter(Proposer):
             token, valid, confidence = host[row, "draw"]
             if not valid:
                 continue
-            block = blocks[row]
-            # whether the round proposes at all: from the distribution, never the draw
-            if block.size == 0 and not self._active[row].first_draft_pays(self._gate_input(host[row, "top"])):
+            block, schedule = blocks[row], self._active[row]
+            # whether the round proposes this draft at all: from its distribution, never the draw
+            if block.size == 0 and not schedule.first_draft_pays(self._gate_input(host[row, "top"])):
+                continue
+            if block.size and self.samples and not schedule.next_draft_pays(host[row, "top"]):
+                self.stats.withheld += 1
                 continue
             block.extend(draw.token, draw.probs, ids=[int(token)])
             # the token just drawn is kept whatever it is; only whether to draw another depends on it
             if block.closed:
-                self._active[row].closed_at(confidence)
-            elif self._active[row].keep_drafting(confidence):
+                schedule.closed_at(confidence)
+            elif schedule.keep_drafting(confidence):
                 going.append(row)
         return going
 
@@ -725,7 +735,8 @@ class ModelDrafter(Proposer):
     def _withhold(self, row: int, block: Block) -> None:
         """Once the row's drafting has stopped, propose only as many of its drafts as its schedule says
         pay (`CostAwareSchedule.proposal_size`): argmax drafts only, which are a function of the text
-        so far, so withholding them keeps verification exact; a sampled draft is proposed whatever it is.
+        so far, so withholding them keeps verification exact; a sampled draft is proposed whatever it is
+        (its round stops before a draft only by that position's distribution, `_keep_step`).
         Drafts read with the verifier's decision (`_cut_by_confidence`) are verified whole before the
         read: withholding them there would save nothing."""
         if self.samples or not block.size:

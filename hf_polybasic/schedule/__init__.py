@@ -70,6 +70,11 @@ class Schedule(Protocol):
         each confidence bin (`calibration.BIN_EDGES`)."""
         ...
 
+    def next_draft_pays(self, spread: Sequence[float]) -> bool:
+        """Whether a sampled round that has kept drafts proposes the one at its next position, from that
+        position's mass in each confidence bin (not the drawn token)."""
+        ...
+
     def proposal_size(self, drafted: int) -> int:
         """How many of a round's ``drafted`` argmax drafts to propose, once drafting has stopped."""
         ...

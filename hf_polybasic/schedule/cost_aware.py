@@ -59,15 +59,13 @@ timings, so sampled outputs are exactly distributed but not bit-reproducible fro
 from __future__ import annotations
 
 from collections.abc import Sequence
-from itertools import accumulate
-from operator import mul
 from typing import Protocol
 
 from .backoff import MAX_BACKOFF_ROUNDS, BackOff
 from .batch_gate import BatchGate
 from .calibration import ConfidenceCalibration
-from .rates import (acceptance_rate_estimate, best_length, best_proposal, best_round_rate, decayed, never_pays,
-                    worth_more)
+from .rates import (acceptance_rate_estimate, best_length, best_proposal, best_round_rate, decayed, more_drafts_pay,
+                    never_pays)
 
 # verifications before the back-off judges the rounds and a Drafter's length moves (the first one,
 # which includes the prompt's prefill, never counts towards a yield or the overhead)
@@ -196,15 +194,10 @@ class CostAwareSchedule:
         """Whether a model level should propose one more token this round, given its confidence in
         the token it just proposed (which is kept either way)."""
         self._confidences.append(confidence)
-        drafted, calibration = len(self._confidences), self.calibration
-        # P(the first i drafts are all accepted), i = 1 .. drafted
-        survivals = list(accumulate((calibration.acceptance(value) for value in self._confidences), mul))
-        round_seconds = drafted * self.seconds_per_token() + self.verification_seconds(drafted + 1)
-        going = worth_more(survivals[-1], calibration.next_acceptance(confidence), 1.0 + sum(survivals), round_seconds,
-                           self._extra_seconds(drafted))
-        if not calibration.calibrated:
+        if not self.calibration.calibrated:
             self.uncalibrated_answers += 1
-        return going
+        later = self.calibration.next_acceptance(confidence)
+        return self._more_pays(later, later, spent=0)
 
     def closed_at(self, confidence: float) -> None:
         """The round's last draft filled its block: its confidence is kept as `keep_drafting`'s are."""
@@ -214,10 +207,9 @@ class CostAwareSchedule:
         """Whether a model level's round should propose at all, given its distribution at the round's
         first position (known before the drawn token is kept, so the answer is exact to act on when
         sampling): greedy, its largest probability ``top`` (the draft's own confidence); sampling, its
-        mass in each calibration bin (`ConfidenceCalibration.drawn_acceptance`). Yes where some
-        proposal from there is expected to beat the parent decoding that position alone, the first
-        token priced by the calibrated acceptance of the draft (`worth_more` from a round of nothing).
-        Before the calibration is the pair's own, yes."""
+        mass in each calibration bin (`ConfidenceCalibration.drawn_acceptance`). Yes where some proposal
+        from there beats the parent decoding that position alone (`more_drafts_pay` from a round of
+        nothing). Before the calibration is the pair's own, yes."""
         calibration = self.calibration
         if not calibration.calibrated:
             return True
@@ -228,12 +220,25 @@ class CostAwareSchedule:
             first, later = calibration.acceptance(top), calibration.next_acceptance(top)
         else:
             first, later = calibration.drawn_acceptance(top)
-        # the first token is drawn already: m tokens cost m - 1 more drafting steps
-        extras = [extra - self.seconds_per_token() for extra in self._extra_seconds(0)]
-        pays = worth_more(first / later, later, 1.0, self.verification_seconds(1), extras)
+        pays = self._more_pays(first, later, spent=1)  # the first token is drawn already
         if not pays:  # a drafter forward for nothing
             self._proposed_nothing()
         return pays
+
+    def next_draft_pays(self, spread: Sequence[float]) -> bool:
+        """Whether a sampled round proposes the draft at its next position, from that position's mass in each
+        calibration bin (`ConfidenceCalibration.drawn_acceptance`; known before the drawn token counts, so
+        exact to act on): yes where it, and maybe more, beat stopping at the drafts kept so far. Before the
+        calibration is the pair's own, yes."""
+        if not self.calibration.calibrated:
+            return True
+        return self._more_pays(*self.calibration.drawn_acceptance(spread), spent=1)
+
+    def _more_pays(self, first: float, later: float, spent: int) -> bool:
+        """`rates.more_drafts_pay` for a round of the drafts kept so far (`_confidences`), `LOOKAHEAD` ahead."""
+        acceptances = [self.calibration.acceptance(value) for value in self._confidences]
+        return more_drafts_pay(acceptances, first, later, self.seconds_per_token(), self.verification_seconds,
+                               min(LOOKAHEAD, self.maximum - len(acceptances)), spent)
 
     def _proposed_nothing(self) -> None:
         """A round drafted and proposed nothing (`first_draft_pays`, `proposal_size`): `DECLINED_ROUNDS` in
@@ -254,13 +259,6 @@ class CostAwareSchedule:
         if size == 0:
             self._proposed_nothing()
         return size
-
-    def _extra_seconds(self, drafted: int) -> list[float]:
-        """What m = 1 .. `LOOKAHEAD` more tokens (within ``maximum``) add to a round of ``drafted``:
-        m drafting steps plus the verification's growth from ``drafted + 1`` to ``drafted + 1 + m``."""
-        step, verified = self.seconds_per_token(), self.verification_seconds(drafted + 1)
-        return [m * step + self.verification_seconds(drafted + 1 + m) - verified
-                for m in range(1, min(LOOKAHEAD, self.maximum - drafted) + 1)]
 
     # --- estimates ---------------------------------------------------------------------------------
     def acceptance_rate(self) -> float:

@@ -30,6 +30,9 @@ class ConstantSchedule:
     def first_draft_pays(self, top: float | Sequence[float]) -> bool:
         return True
 
+    def next_draft_pays(self, spread: Sequence[float]) -> bool:
+        return True
+
     def proposal_size(self, drafted: int) -> int:
         return drafted
 

@@ -8,7 +8,9 @@ round yields E(l) / (l s + T_v(l + 1)) tokens per second; `best_length` maximise
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from itertools import accumulate
+from operator import mul
 
 # per-round decay of running sums: an observation's weight halves after ~7 later rounds, so the
 # estimates follow the text (code copied from the prompt vs. free prose) within one call
@@ -115,6 +117,21 @@ def worth_more(survival: float, next_acceptance: float, expected: float, round_s
         if gain * round_seconds > expected * extra:
             return True
     return False
+
+
+def more_drafts_pay(acceptances: Sequence[float], first: float, later: float, step: float,
+                    verification_seconds: Callable[[int], float], room: int, spent: int = 0) -> bool:
+    """Whether more drafts raise the expected tokens per second of a round whose kept drafts are
+    accepted with probabilities ``acceptances`` (each given every draft before it was): the next one
+    accepted with probability ``first`` given every kept one was, each after it with ``later``; m = 1 ..
+    ``room`` more cost m drafting steps of ``step`` seconds (``spent`` of them run already: paid either
+    way, so not counted) plus what they add to the verification (`worth_more`)."""
+    survivals = list(accumulate(acceptances, mul))  # P(the first i kept drafts are all accepted)
+    drafted = len(survivals)
+    verified = verification_seconds(drafted + 1)
+    extras = [(m - spent) * step + verification_seconds(drafted + 1 + m) - verified for m in range(1, room + 1)]
+    survival = survivals[-1] if survivals else 1.0
+    return worth_more(survival * first / later, later, 1.0 + sum(survivals), drafted * step + verified, extras)
 
 
 def best_proposal(acceptances: list[float], verification_seconds: Callable[[int], float]) -> int:
