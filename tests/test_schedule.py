@@ -625,7 +625,9 @@ def test_a_sampled_rounds_next_draft_is_priced_over_its_position_after_the_draft
         masses[calibration_module._bin(0.1)], masses[calibration_module._bin(0.45)] = unsure, 1 - unsure
         return masses
 
-    assert schedule.next_draft_pays(spread(1.0))
+    steep = CostAwareSchedule(4, 16, per_token=True, verifier_costs=Curve(lambda k: 0.1 * k), step_seconds=0.01)
+    priced = [[], *steep.calibration.drawn_acceptance(spread(1.0)), 0.01, steep.verification_seconds, 15]
+    assert steep.next_draft_pays(spread(1.0)) and not more_drafts_pay(*priced, spent=1)  # the prior's price: no
     for _ in range(20):
         schedule.calibration.observe([0.45, 0.45, 0.45, 0.1], accepted=3)
         schedule.calibration.observe([0.1], accepted=0)
@@ -649,6 +651,7 @@ def test_the_draw_spread_is_the_mass_of_each_calibration_bin():
     cases = [torch.rand(5000, generator=generator)]
     cases += [(torch.randn(5000, generator=generator) * scale).softmax(-1) for scale in (1.0, 8.0, 15.0)]
     cases += [torch.tensor([0.21, 0.2, 0.2, 0.39]), torch.tensor([0.5, 0.5]), torch.tensor([1.0])]
+    cases += [torch.full((5,), 0.2, dtype=torch.float64), torch.tensor([0.2] * 5 + [0.0] * 9, dtype=torch.float64)]
     for edge in BIN_EDGES:  # a token exactly at the edge, the rest of the mass spread thin
         cases.append(torch.cat([torch.tensor([edge]), torch.full((1000,), (1 - edge) / 1000)]).double())
     for probs in cases:
