@@ -12,7 +12,7 @@ import dataclasses
 
 import pytest
 import torch
-from hypothesis import assume, given, settings
+from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 from helpers import (
     ALPHA,
@@ -587,6 +587,9 @@ def test_a_sampled_first_draft_is_priced_over_its_draw_not_its_top():
        later=st.floats(0.01, 0.99), step=st.floats(0.0, 0.05), rises=st.lists(st.floats(0.0, 0.2), min_size=11,
                                                                                  max_size=11),
        room=st.integers(0, 6), spent=st.sampled_from([0, 1]))
+# four kept drafts' steps are part of the round's cost: without them the next draft would not pay
+@example(acceptances=[0.9] * 4, first=0.5, later=0.5, step=0.05, rises=[0.0] * 4 + [0.015] + [0.0] * 6, room=1,
+         spent=1)
 def test_more_drafts_pay_exactly_when_some_longer_round_has_a_higher_expected_rate(acceptances, first, later, step,
                                                                                    rises, room, spent):
     """`rates.more_drafts_pay` against the rates themselves: l kept drafts accepted with probabilities a_i
@@ -610,6 +613,15 @@ def test_more_drafts_pay_exactly_when_some_longer_round_has_a_higher_expected_ra
         margins.append((expected + gain) / (cost + extra) - expected / cost)
     assume(all(abs(margin) > 1e-9 for margin in margins))
     assert more_drafts_pay(acceptances, first, later, step, seconds, room, spent) == any(m > 0 for m in margins)
+
+
+def test_keep_drafting_looks_ahead_only_within_the_longest_proposal():
+    """`keep_drafting` prices extensions up to the level's ``maximum`` only: a step in the cost curve that two
+    more sure drafts pay for and one does not is crossed by a level that may draft on, not by one whose
+    longest proposal ends one draft past it."""
+    curve = Curve(lambda k: 0.1 if k <= 2 else 0.17)
+    short, long = (CostAwareSchedule(2, most, per_token=True, verifier_costs=curve, step_seconds=0.01) for most in (2, 16))
+    assert long.keep_drafting(0.995) and not short.keep_drafting(0.995)
 
 
 def test_a_sampled_rounds_next_draft_is_priced_over_its_position_after_the_drafts_kept():
