@@ -465,6 +465,14 @@ def test_a_drafter_withholds_only_argmax_drafts_and_counts_them():
         assert (block.size, drafter.stats.withheld, block.ids) == (size, withheld, [4, 5, 6][:size])
 
 
+def _calibrated_call_on_three_steps(target, drafter, ids, **options):
+    """The second of two calls of the pair on `_three_steps`' machine (the first calibrates it)."""
+    with simulated_machine({target: _three_steps, drafter: lambda k: 0.0009}) as generate:
+        chain = dict(custom_generate=generate, assistant_models=[drafter], return_dict_in_generate=True, **options)
+        target.generate(ids, **chain)
+        return target.generate(ids, **chain)
+
+
 @pytest.mark.parametrize("arch, noise", [("llama", 0.2), ("qwen2", 0.2), ("gemma3", 0.1)])  # gemma3: a window of 6
 def test_greedy_rounds_withhold_unsure_drafts_past_a_step_and_keep_plain_generates_output(arch, noise):
     """On `_three_steps`' machine with a drafter that agrees with the target in streaks and disagrees
@@ -472,12 +480,9 @@ def test_greedy_rounds_withhold_unsure_drafts_past_a_step_and_keep_plain_generat
     `generate`'s."""
     target = make_target(arch, seed=13, layers=4, logit_scale=40.0)  # peaked: drafts of every confidence
     drafter = noisy_copy(target, noise, seed=3)
-    ids, options = prompt(6, seed=4), dict(max_new_tokens=48, eos_token_id=None)
-    with simulated_machine({target: _three_steps, drafter: lambda k: 0.0009}) as generate:
-        chain = dict(custom_generate=generate, assistant_models=[drafter], return_dict_in_generate=True, **options)
-        target.generate(ids, do_sample=False, **chain)  # calibrates the pair
-        out = target.generate(ids, do_sample=False, **chain)
-    assert torch.equal(out.sequences, target.generate(ids, do_sample=False, **options))
+    ids, options = prompt(6, seed=4), dict(max_new_tokens=48, eos_token_id=None, do_sample=False)
+    out = _calibrated_call_on_three_steps(target, drafter, ids, **options)
+    assert torch.equal(out.sequences, target.generate(ids, **options))
     assert_every_level_took_part(out.polybasic_stats)
     drafter_level = out.polybasic_stats.levels[1]
     assert drafter_level.withheld > 0 and drafter_level.proposed > 0
@@ -491,10 +496,7 @@ def test_sampled_rounds_stop_before_later_positions_their_distribution_says_do_n
     drafter = noisy_copy(target, 0.2, seed=3)
     ids, options = prompt(6, seed=4), dict(max_new_tokens=64, eos_token_id=None, do_sample=True)
     torch.manual_seed(0)
-    with simulated_machine({target: _three_steps, drafter: lambda k: 0.0009}) as generate:
-        chain = dict(custom_generate=generate, assistant_models=[drafter], return_dict_in_generate=True, **options)
-        target.generate(ids, **chain)  # calibrates the pair
-        out = target.generate(ids, **chain)
+    out = _calibrated_call_on_three_steps(target, drafter, ids, **options)
     assert_every_level_took_part(out.polybasic_stats)
     drafter_level = out.polybasic_stats.levels[1]
     assert drafter_level.withheld > 0 and drafter_level.proposed > 0
@@ -508,10 +510,7 @@ def test_rows_of_a_ragged_batch_withhold_the_draft_that_filled_their_block_and_k
     drafter = noisy_copy(target, 0.05, seed=3)
     ids, mask = left_padded([prompt(n, seed=n)[0] for n in (5, 8)])
     options = dict(max_new_tokens=48, eos_token_id=None, pad_token_id=PAD, do_sample=False)
-    with simulated_machine({target: _three_steps, drafter: lambda k: 0.0009}) as generate:
-        chain = dict(custom_generate=generate, assistant_models=[drafter], return_dict_in_generate=True, **options)
-        target.generate(ids, attention_mask=mask, **chain)  # calibrates the pair
-        out = target.generate(ids, attention_mask=mask, **chain)
+    out = _calibrated_call_on_three_steps(target, drafter, ids, attention_mask=mask, **options)
     assert torch.equal(out.sequences, target.generate(ids, attention_mask=mask, **options))
     assert_every_level_took_part(out.polybasic_stats)
     assert out.polybasic_stats.levels[1].withheld > 0
