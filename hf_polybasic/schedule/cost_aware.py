@@ -32,7 +32,9 @@ overhead o; this level's proposals cost s per token (measured).
   (`proposal_size`): the gate priced the first draft as if the streak went on, and where the cost
   curve steps, a round that stopped at an unsure second or third draft pays more proposing fewer,
   or none (the drafting is spent either way). Rounds that drafted and proposed nothing count as
-  declined ones towards the back-off.
+  declined ones towards the back-off. A sampled draft cannot be withheld for its value; instead each
+  later position of a sampled round is priced, as the first is, from its distribution before its
+  draw counts (`next_draft_pays`), and the round stops before a draft that does not pay.
 * **A `Drafter`** (no confidences: n-gram lookups) proposes the length in 1 .. ``maximum`` that
   maximises expected tokens per second from its running acceptance (`rates.best_length`).
 * **Back-off** (`BackOff`): for a level its first-draft gate does not decide, rounds go on while
@@ -50,7 +52,7 @@ overhead o; this level's proposals cost s per token (measured).
   decoding also make it back off.
 
 Lossless: lengths come from the past and from tokens already proposed (kept whatever they are),
-and whether a round proposes at all from the drafter's distribution before its draw counts; no
+and whether a round proposes a draft at all from the drafter's distribution before its draw counts; no
 sampled token is ever dropped because of its value (argmax drafts, a function of the text so far, may
 be withheld), and verification is exact whatever the length (0 is plain decoding). Lengths depend on
 timings, so sampled outputs are exactly distributed but not bit-reproducible from a seed.
