@@ -127,13 +127,6 @@ class ConfidenceCalibration:
         both = sum(mass * accepted[index] * after[index] for index, mass in enumerate(spread))
         return first / total, both / first
 
-    def survival(self, confidences: Sequence[float]) -> float:
-        """P(every draft of a round with these confidences is accepted)."""
-        value = 1.0
-        for confidence in confidences:
-            value *= self.acceptance(confidence)
-        return value
-
     def observe(self, confidences: Sequence[float], accepted: int) -> None:
         """A verification accepted the first ``accepted`` of drafts with these ``confidences``:
         tokens 0..accepted are revealed (the accepted ones, then the first rejected one)."""
