@@ -10,6 +10,11 @@ from .curve import CostCurve, interpolate_prepared, unslowed
 ONLINE_MAX_TOKENS = 32
 # weight of the newest forward in the running scale of an estimate
 ONLINE_DECAY = 0.8
+# forwards' worth of the whole curve's correction in each point's own (`CostEstimate.scale`): a point one
+# forward priced takes a fifth of that forward's departure from the whole curve's correction, one that
+# forwards priced round after round (a decayed weight of 5 at most) five ninths, and the call's refresh
+# of the stored curve carries it on to the next call (`hf_polybasic.costs.store.CostCurves.refresh`)
+POINT_PRIOR = 4.0
 
 
 class CostEstimate:
@@ -18,7 +23,11 @@ class CostEstimate:
     Every forward of at most `ONLINE_MAX_TOKENS` tokens updates a running, decayed mean of
     log(observed / predicted): one for the curve as a whole (a busy machine scales every cost
     alike) and one at the measured point nearest to the forward's size (so a wrong shape is
-    corrected where decoding works). Longer forwards (prefills, catch-ups) are left out.
+    corrected where decoding works, once forwards there agree: a point's own mean is shrunk towards the
+    whole curve's by `POINT_PRIOR` forwards' worth, since one forward's timing on a shared machine can be
+    off by a tenth or more, while on a flat curve a token more costs a fortieth of a step, and a point
+    one slowed forward priced alone made the schedule stop before it). Longer forwards (prefills,
+    catch-ups) are left out.
 
     Attributes:
         observed: forwards that updated the estimate.
@@ -52,12 +61,13 @@ class CostEstimate:
         self.observed += 1
 
     def scale(self, point: int | None = None) -> float:
-        """observed / measured at a measured ``point`` (that point's own evidence when it has some,
-        else the whole curve's), or for the curve as a whole."""
-        running = self._at.get(point) if point is not None else None
-        if running is None or running[1] < 1.0:
-            running = self._whole
-        return math.exp(running[0] / running[1]) if running[1] else 1.0
+        """observed / measured at a measured ``point`` (its own mean log ratio, shrunk towards the whole
+        curve's by `POINT_PRIOR` forwards' worth), or for the curve as a whole."""
+        whole = self._whole[0] / self._whole[1] if self._whole[1] else 0.0
+        own = self._at.get(point) if point is not None else None
+        if own is None:
+            return math.exp(whole)
+        return math.exp((own[0] + POINT_PRIOR * whole) / (own[1] + POINT_PRIOR))
 
     def priced_points(self) -> set[int]:
         """The measured points that forwards of this call priced themselves (each forward prices the
