@@ -4,7 +4,8 @@
 ``bench`` (`benchmarks.bench`), ``gpu-bench`` (`benchmarks.gpu_bench`), ``batches``
 (`benchmarks.batch_bench`), ``levels`` (`benchmarks.levels_table`), ``vocab-coverage``
 (`benchmarks.vocab_coverage`), ``rollback-cost`` (`benchmarks.rollback_cost`), ``stopping-replay``
-(`benchmarks.stopping_replay`) and ``trained-head`` (`benchmarks.trained_head`). Each command's module is
+(`benchmarks.stopping_replay`), ``curve-noise`` (`benchmarks.curve_noise`) and ``trained-head``
+(`benchmarks.trained_head`). Each command's module is
 imported only when it runs.
 """
 
@@ -18,8 +19,8 @@ from .gpu_bench import add_gpu_bench_parser
 from .trained_head import add_trained_head_parser
 
 # the order in which they are registered; hf_polybasic.cli.main.BENCHMARK_COMMANDS names the same
-COMMANDS = ("levels", "vocab-coverage", "batches", "rollback-cost", "stopping-replay", "bench", "gpu-bench",
-            "trained-head")
+COMMANDS = ("levels", "vocab-coverage", "batches", "rollback-cost", "stopping-replay", "curve-noise", "bench",
+            "gpu-bench", "trained-head")
 
 
 def _levels(args: argparse.Namespace) -> int:
@@ -53,6 +54,14 @@ def _rollback_cost(args: argparse.Namespace) -> int:
 
     ks = [int(k) for k in args.ks.split(",")]
     print(run_rollback_cost(args.tiny, args.layers, ks, args.repeats, args.out, args.threads))
+    return 0
+
+
+def _curve_noise(args: argparse.Namespace) -> int:
+    from .curve_noise import run_curve_noise
+
+    sigmas = [float(sigma) for sigma in args.sigmas.split(",")]
+    print(run_curve_noise(args.replays, sigmas, args.calls, args.seeds, args.out))
     return 0
 
 
@@ -137,6 +146,16 @@ def add_benchmark_parsers(commands) -> None:
     replay.add_argument("--streams", default=None, help="the streams.jsonl of an earlier run: its turns of the "
                         "selected questions replayed again with costs measured now, the models not run on them")
     replay.set_defaults(handler=_stopping_replay)
+
+    noise = commands.add_parser(
+        "curve-noise", help="what noisy forward timings cost the default schedule: stopping-replay reports replayed "
+        "after many calls' refreshes of their cost curve (no models run)")
+    noise.add_argument("replays", nargs="+", help="stopping-replay report directories (streams.jsonl, summary.json)")
+    noise.add_argument("--sigmas", default="0.1,0.2", help="comma-separated spreads of log(timed / true) per forward")
+    noise.add_argument("--calls", type=int, default=150, help="calls whose forwards refresh the stored curve")
+    noise.add_argument("--seeds", type=int, default=6, help="seeded runs per spread and rule")
+    noise.add_argument("--out", default=None, help="directory for summary.json and results.md")
+    noise.set_defaults(handler=_curve_noise)
 
     add_bench_parser(commands)
     add_gpu_bench_parser(commands)

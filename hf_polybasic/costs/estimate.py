@@ -64,7 +64,7 @@ class CostEstimate:
         """observed / measured at a measured ``point`` (its own mean log ratio, shrunk towards the whole
         curve's by `POINT_PRIOR` forwards' worth), or for the curve as a whole."""
         whole = self._whole[0] / self._whole[1] if self._whole[1] else 0.0
-        own = self._at.get(point) if point is not None else None
+        own = self._at.get(point)  # None: the curve as a whole, or a width not measured
         if own is None:
             return math.exp(whole)
         return math.exp((own[0] + POINT_PRIOR * whole) / (own[1] + POINT_PRIOR))
