@@ -60,14 +60,12 @@ class CostEstimate:
             running[1] = ONLINE_DECAY * running[1] + 1.0
         self.observed += 1
 
-    def scale(self, point: int | None = None) -> float:
-        """observed / measured at a measured ``point`` (its own mean log ratio, shrunk towards the whole
-        curve's by `POINT_PRIOR` forwards' worth), or for the curve as a whole."""
+    def scale(self, point: int) -> float:
+        """observed / measured at the measured ``point``: its own mean log ratio, shrunk towards the whole
+        curve's by `POINT_PRIOR` forwards' worth (the whole curve's alone before a forward priced it)."""
         whole = self._whole[0] / self._whole[1] if self._whole[1] else 0.0
-        own = self._at.get(point)  # None: the curve as a whole, or a width not measured
-        if own is None:
-            return math.exp(whole)
-        return math.exp((own[0] + POINT_PRIOR * whole) / (own[1] + POINT_PRIOR))
+        own, weight = self._at[point]
+        return math.exp((own + POINT_PRIOR * whole) / (weight + POINT_PRIOR))
 
     def priced_points(self) -> set[int]:
         """The measured points that forwards of this call priced themselves (each forward prices the
