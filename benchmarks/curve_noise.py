@@ -18,13 +18,13 @@ import json
 import math
 import random
 import statistics
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 from hf_polybasic.costs import CostCurve, CostEstimate
 from hf_polybasic.costs import estimate as estimate_module
 from hf_polybasic.costs.store import CostCurves
-from hf_polybasic.schedule.factory import RowSchedules
 
 from .stopping_replay import TRANSFORMERS_RULE, Costs, Schedule, Stream, Threshold, load_streams, replay
 
@@ -34,18 +34,12 @@ FORWARDS_PER_CALL = 30
 OWN_FORWARDS_ONLY = 1e-9
 
 
-class _Seeing(Schedule):
-    """The default schedule seeing ``seen`` (a `CostEstimate`) while its rounds are priced by the true
-    ``costs``; records the width of every verification it makes."""
+class _Recording(Schedule):
+    """The default schedule (`stopping_replay.Schedule`), recording the width of every verification it makes."""
 
     def __init__(self, costs: Costs, seen: CostEstimate):
-        super().__init__(costs)
-        self.seen, self.widths = seen, []
-
-    def start(self) -> None:
-        self._made = RowSchedules("cost_aware", [0])
-        self.schedule = self._made.for_level(self.initial, self.maximum, self.seen, True,
-                                             step_seconds=self.costs.step, pair=self._pair)[0]
+        super().__init__(costs, seen=seen)
+        self.widths = []
 
     def observe(self, drafted: int, accepted: int, costs: Costs) -> None:
         self.widths.append(drafted + 1)
@@ -55,9 +49,20 @@ class _Seeing(Schedule):
 def schedule_rate(streams: Sequence[Stream], costs: Costs, seen: CostEstimate) -> tuple[float, list[int]]:
     """Tokens per second of the default schedule seeing ``seen``, its second pass along ``streams`` (its
     calibration carried from the first, as `stopping_replay.compare` counts it), and the widths it verified."""
-    rule = _Seeing(costs, seen)
+    rule = _Recording(costs, seen)
     replay(streams, rule, costs)
     return replay(streams, rule, costs).rate, rule.widths
+
+
+@contextmanager
+def _point_prior(prior: float) -> Iterator[None]:
+    """`CostEstimate` with each width's correction shrunk by ``prior`` forwards' worth inside the block."""
+    saved = estimate_module.POINT_PRIOR
+    estimate_module.POINT_PRIOR = prior
+    try:
+        yield
+    finally:
+        estimate_module.POINT_PRIOR = saved
 
 
 def drifted(costs: Costs, widths: Sequence[int], sigma: float, calls: int, prior: float,
@@ -65,9 +70,7 @@ def drifted(costs: Costs, widths: Sequence[int], sigma: float, calls: int, prior
     """The stored curve after ``calls`` calls of `FORWARDS_PER_CALL` forwards at ``widths`` (drawn
     uniformly from the list), each timed at the true cost times exp(N(0, ``sigma``)), with each width's
     correction shrunk by ``prior`` forwards' worth; and the last call's estimate."""
-    saved = estimate_module.POINT_PRIOR
-    estimate_module.POINT_PRIOR = prior
-    try:
+    with _point_prior(prior):
         store = CostCurves(None, measure=lambda *args, **kwargs: CostCurve(dict(costs.verify.points)),
                            key=lambda model: "replayed")
         curve = store.curve_for(None)
@@ -78,18 +81,12 @@ def drifted(costs: Costs, widths: Sequence[int], sigma: float, calls: int, prior
                 estimate.observe(width, costs.verify.seconds(width) * math.exp(rng.gauss(0.0, sigma)))
             store.refresh(None, estimate)
         return curve, estimate
-    finally:
-        estimate_module.POINT_PRIOR = saved
 
 
 def _frozen(estimate: CostEstimate, prior: float) -> CostEstimate:
     """``estimate`` as it prices with ``prior`` whatever `POINT_PRIOR` says later: its points fixed now."""
-    saved = estimate_module.POINT_PRIOR
-    estimate_module.POINT_PRIOR = prior
-    try:
+    with _point_prior(prior):
         return CostEstimate(CostCurve(estimate.points()))
-    finally:
-        estimate_module.POINT_PRIOR = saved
 
 
 def log_error(curve: CostCurve, truth: CostCurve) -> float:

@@ -130,17 +130,20 @@ class Threshold(Rule):
 
 
 class Schedule(Rule):
-    """The package's default schedule of a model drafter right under the target, priced by ``costs``;
+    """The package's default schedule of a model drafter right under the target, priced by ``costs``
+    (or seeing ``seen``, another estimate of the target's costs, while its rounds are priced by ``costs``);
     its calibration carries from one prompt to the next (`start`, `finish`) as between calls."""
 
-    def __init__(self, costs: Costs, initial: int = 4, maximum: int = MAX_DRAFT_TOKENS):
-        self.costs, self.initial, self.maximum = costs, initial, maximum
+    def __init__(self, costs: Costs, initial: int = 4, maximum: int = MAX_DRAFT_TOKENS,
+                 seen: CostEstimate | None = None):
+        self.costs, self.initial, self.maximum, self.seen = costs, initial, maximum, seen
         self._pair = (_Key(), _Key())  # this replay's own calibration memory
         self.schedule = self._made = None
 
     def start(self) -> None:
         self._made = RowSchedules("cost_aware", [0])
-        self.schedule = self._made.for_level(self.initial, self.maximum, CostEstimate(self.costs.verify), True,
+        seen = self.seen if self.seen is not None else CostEstimate(self.costs.verify)
+        self.schedule = self._made.for_level(self.initial, self.maximum, seen, True,
                                              step_seconds=self.costs.step, pair=self._pair)[0]
 
     def finish(self) -> None:
