@@ -542,6 +542,12 @@ def test_what_cannot_be_restricted_is_named():
     with pytest.raises(TypeError, match=r"supported are float nn.Linear, dynamic int8 \(hf_polybasic.* and "
                                         r"oneDNN-packed \(hf_polybasic\.models\.packed\.pack_linear_layers\) layers"):
         restricted_vocabulary(model)
+    stray = make_target("qwen2", seed=5, tied=False)
+    outside_layer = torch.nn.Linear(32, 96)
+    stray.get_output_embeddings = lambda: outside_layer  # a layer the model's own tree does not hold
+    with pytest.raises(TypeError, match="restricted_vocabulary: the output layer is not a submodule of the model"):
+        restricted_vocabulary(stray)
+    assert not stray._forward_pre_hooks  # and the model is left as it was: no hook, no view
 
 
 def test_a_model_without_input_embeddings_is_restricted_without_them():

@@ -52,7 +52,7 @@ import torch
 from .. import compat
 from .fingerprint import PerModel
 from .packed import PackedLinear
-from .modules import module_view
+from .modules import view_replacing
 from ..vocabulary import as_id_list
 
 __all__ = ["RestrictedLinear", "drafting_view", "restricted_vocabulary"]
@@ -299,8 +299,10 @@ def restricted_vocabulary(
     embedding = getattr(embeddings, "weight", None) if isinstance(embeddings, torch.nn.Embedding) else None
     restricted = RestrictedLinear(head, ranked, kept, width, embedding)
 
-    view = module_view(model)
-    _replace_in_view(view, model, head, restricted)
+    # the output layer's place in a view of the model, the modules on the way to it viewed too
+    view = view_replacing(model, type(head), lambda _: restricted, chosen=lambda module: module is head)
+    if view is model:
+        raise TypeError("restricted_vocabulary: the output layer is not a submodule of the model")
     if grow:
         view.register_forward_pre_hook(_grow_hook(restricted), with_kwargs=True)
     return view
@@ -322,21 +324,6 @@ def _always_kept(model, tokenizer, extra: Iterable[int], width: int) -> set[int]
         ids.update(tokenizer.all_special_ids)
         ids.update(getattr(tokenizer, "added_tokens_decoder", {}).keys())
     return {i for i in ids if 0 <= i < width}
-
-
-def _replace_in_view(view: torch.nn.Module, model: torch.nn.Module, head: torch.nn.Module, new: torch.nn.Module):
-    """Put ``new`` where ``head`` sits in ``view`` (a `module_view` of ``model``); modules on the
-    way to it are viewed too, so the original's tables stay as they were."""
-    path = next((name for name, module in model.named_modules() if module is head), None)
-    if not path:
-        raise TypeError("restricted_vocabulary: the output layer is not a submodule of the model")
-    *parents, leaf = path.split(".")
-    holder = view
-    for name in parents:
-        child = module_view(getattr(holder, name))
-        setattr(holder, name, child)
-        holder = child
-    setattr(holder, leaf, new)
 
 
 def _grow_hook(restricted: RestrictedLinear):
