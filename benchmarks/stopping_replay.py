@@ -286,15 +286,15 @@ def run_stopping_replay(models: str, target_dtype: str, question_file: str | Non
         if not named:
             raise ValueError(f"no turn of {streams} belongs to the selected questions ({sorted(chosen)}); select the "
                              "question file and categories its streams were made from")
-        questions = ()
-    for question in questions:
-        answers: list[str] = []
-        for turn in range(len(question.turns)):
-            inputs, _ = encode(model_set, messages_for(question, turn, answers), max_new_tokens)
-            stream, output = drafter_stream(target, drafter, inputs["input_ids"], max_new_tokens, depth,
-                                            **model_set.generate_options)
-            named[f"{question.question_id}/{turn}"] = stream
-            answers.append(model_set.tokenizer.decode(output, skip_special_tokens=True))
+    else:
+        for question in questions:
+            answers: list[str] = []
+            for turn in range(len(question.turns)):
+                inputs, _ = encode(model_set, messages_for(question, turn, answers), max_new_tokens)
+                stream, output = drafter_stream(target, drafter, inputs["input_ids"], max_new_tokens, depth,
+                                                **model_set.generate_options)
+                named[f"{question.question_id}/{turn}"] = stream
+                answers.append(model_set.tokenizer.decode(output, skip_special_tokens=True))
     depth = depth_of(named)  # a streams file's own
     costs = Costs(measure_curve(target, tokens=range(1, depth + 2)),
                   measure_curve(drafter, tokens=(1,)).seconds(1))

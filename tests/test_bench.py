@@ -417,11 +417,14 @@ def test_the_strict_lookup_chain_copies_only_after_three_token_matches_and_equal
     strict = bench_methods.RECIPES["ours-draft-lookup3-auto"].build(model_set, options)
     loose = bench_methods.RECIPES["ours-draft-lookup-auto"].build(model_set, options)
     assert strict.spec != loose.spec and "3<=n<=3" in strict.description
-    lookup = bench_methods._lookup(options, "lookup3")
-    assert (lookup.min_ngram, lookup.max_ngram) == (3, 3)
+    lookup, label = bench_methods._lookup(options, "lookup3")
+    assert (lookup.min_ngram, lookup.max_ngram) == (3, 3) and label == "PromptLookup(8 tokens, 3<=n<=3)"
+    assert bench_methods._lookup(options)[1] == "PromptLookup(8 tokens, n<=3)"
+    shorter = bench_methods._lookup(bench_methods.MethodOptions(lookup_max_ngram=2), "lookup3")  # 3 at least
+    assert (shorter[0].max_ngram, shorter[1]) == (3, "PromptLookup(8 tokens, 3<=n<=3)")
     sequence = torch.tensor([[5, 6, 7, 8, 9, 1, 6, 7]])
     assert lookup.propose(sequence, 4)[0].numel() == 0  # a 2-token match (6 7) is not copied after
-    assert bench_methods._lookup(options).propose(sequence, 4)[0].tolist() == [8, 9, 1, 6]
+    assert bench_methods._lookup(options)[0].propose(sequence, 4)[0].tolist() == [8, 9, 1, 6]
     assert lookup.propose(torch.tensor([[5, 6, 7, 8, 9, 5, 6, 7]]), 4)[0].tolist() == [8, 9, 5, 6]
     ids = torch.tensor([[10, 20, 30, 40, 50, 10, 20, 30, 40]])
     inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}

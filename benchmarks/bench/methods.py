@@ -217,18 +217,14 @@ class Recipe:
 LOOKUPS = ("lookup", "lookup3")
 
 
-def _lookup(options: MethodOptions, level: str = "lookup") -> Drafter:
+def _lookup(options: MethodOptions, level: str = "lookup") -> tuple[Drafter, str]:
+    """The `PromptLookup` a chain's bottom ``level`` ("lookup" or "lookup3") names, and its label."""
+    tokens, longest = options.lookup_tokens, options.lookup_max_ngram
     if level == "lookup3":
-        return PromptLookup(max_ngram=max(options.lookup_max_ngram, ADDED_LOOKUP_NGRAM),
-                            num_tokens=options.lookup_tokens, min_ngram=ADDED_LOOKUP_NGRAM)
-    return PromptLookup(max_ngram=options.lookup_max_ngram, num_tokens=options.lookup_tokens)
-
-
-def _lookup_label(options: MethodOptions, level: str = "lookup") -> str:
-    if level == "lookup3":
-        return (f"PromptLookup({options.lookup_tokens} tokens, "
-                f"{ADDED_LOOKUP_NGRAM}<=n<={max(options.lookup_max_ngram, ADDED_LOOKUP_NGRAM)})")
-    return f"PromptLookup({options.lookup_tokens} tokens, n<={options.lookup_max_ngram})"
+        longest = max(longest, ADDED_LOOKUP_NGRAM)
+        return (PromptLookup(max_ngram=longest, num_tokens=tokens, min_ngram=ADDED_LOOKUP_NGRAM),
+                f"PromptLookup({tokens} tokens, {ADDED_LOOKUP_NGRAM}<=n<={longest})")
+    return PromptLookup(max_ngram=longest, num_tokens=tokens), f"PromptLookup({tokens} tokens, n<={longest})"
 
 
 def _chain(name: str, levels: tuple[str, ...], schedule: str = "constant", **settings) -> Recipe:
@@ -239,8 +235,8 @@ def _chain(name: str, levels: tuple[str, ...], schedule: str = "constant", **set
     the one a chain does not use out of the spec."""
 
     def build(ms: ModelSet, o: MethodOptions) -> Method:
-        models = [_lookup(o, level) if level in LOOKUPS else ms.pool[level] for level in levels]
-        labels = [_lookup_label(o, level) if level in LOOKUPS else ms.labels[level] for level in levels]
+        parts = [_lookup(o, level) if level in LOOKUPS else (ms.pool[level], ms.labels[level]) for level in levels]
+        models, labels = [model for model, _ in parts], [label for _, label in parts]
         config = PolybasicConfig(num_draft_tokens=o.num_draft_tokens, block_threshold=o.block_threshold,
                                  schedule=schedule, **settings)
         return polybasic(models, labels, config, name)
