@@ -4,7 +4,8 @@
 ``bench`` (`benchmarks.bench`), ``gpu-bench`` (`benchmarks.gpu_bench`), ``batches``
 (`benchmarks.batch_bench`), ``levels`` (`benchmarks.levels_table`), ``vocab-coverage``
 (`benchmarks.vocab_coverage`), ``rollback-cost`` (`benchmarks.rollback_cost`), ``stopping-replay``
-(`benchmarks.stopping_replay`), ``curve-noise`` (`benchmarks.curve_noise`) and ``trained-head``
+(`benchmarks.stopping_replay`), ``curve-noise`` (`benchmarks.curve_noise`), ``acceptance-features``
+(`benchmarks.acceptance_features`) and ``trained-head``
 (`benchmarks.trained_head`). Each command's module is
 imported only when it runs.
 """
@@ -19,8 +20,8 @@ from .gpu_bench import add_gpu_bench_parser
 from .trained_head import add_trained_head_parser
 
 # the order in which they are registered; hf_polybasic.cli.main.BENCHMARK_COMMANDS names the same
-COMMANDS = ("levels", "vocab-coverage", "batches", "rollback-cost", "stopping-replay", "curve-noise", "bench",
-            "gpu-bench", "trained-head")
+COMMANDS = ("levels", "vocab-coverage", "batches", "rollback-cost", "stopping-replay", "curve-noise",
+            "acceptance-features", "bench", "gpu-bench", "trained-head")
 
 
 def _levels(args: argparse.Namespace) -> int:
@@ -62,6 +63,13 @@ def _curve_noise(args: argparse.Namespace) -> int:
 
     sigmas = [float(sigma) for sigma in args.sigmas.split(",")]
     print(run_curve_noise(args.replays, sigmas, args.calls, args.seeds, args.out))
+    return 0
+
+
+def _acceptance_features(args: argparse.Namespace) -> int:
+    from .acceptance_features import run_acceptance_features
+
+    print(run_acceptance_features(args.replays, args.out))
     return 0
 
 
@@ -156,6 +164,13 @@ def add_benchmark_parsers(commands) -> None:
     noise.add_argument("--seeds", type=int, default=6, help="seeded runs per spread and rule")
     noise.add_argument("--out", default=None, help="directory for summary.json and results.md")
     noise.set_defaults(handler=_curve_noise)
+
+    features = commands.add_parser(
+        "acceptance-features", help="whether signals beyond a draft's confidence (the one before it, its depth, the "
+        "recent agreement) foretell its acceptance: stopping-replay streams, held-out log-loss (no models run)")
+    features.add_argument("replays", nargs="+", help="stopping-replay report directories (streams.jsonl)")
+    features.add_argument("--out", default=None, help="directory for summary.json and results.md")
+    features.set_defaults(handler=_acceptance_features)
 
     add_bench_parser(commands)
     add_gpu_bench_parser(commands)

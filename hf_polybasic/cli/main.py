@@ -22,6 +22,7 @@ BENCHMARK_COMMANDS = {
     "rollback-cost": "what rolling back a hybrid model's recurrent state costs",
     "stopping-replay": "confidence stopping rules replayed along the target's greedy answers, measured costs",
     "curve-noise": "what noisy forward timings cost the schedule, stopping-replay reports replayed without models",
+    "acceptance-features": "whether signals beyond a draft's confidence foretell its acceptance (stopping-replay streams)",
     "bench": "Spec-Bench-style benchmark",
     "gpu-bench": "the engine on a GPU against plain and assisted generate",
     "trained-head": "train a head on the demo's target (train-head), then time it against the 0.5B drafter",
