@@ -82,26 +82,25 @@ def fit_logistic(design: torch.Tensor, labels: torch.Tensor, iterations: int = 5
 
 def held_out_loss(turns: Sequence[tuple[list[dict[str, float]], list[bool]]], signals: Sequence[str]) -> float:
     """Log-loss per revealed draft of a logistic regression on ``signals``, each turn scored by a fit to the
-    others (leave one turn out)."""
-    total, count = 0.0, 0
+    others (leave one turn out); ``turns``: each turn's `revealed_drafts`."""
+    design = _design([row for rows, _ in turns for row in rows], signals)
+    labels = torch.tensor([label for _, accepted in turns for label in accepted], dtype=torch.float64)
+    turn_of = torch.tensor([index for index, (_, accepted) in enumerate(turns) for _ in accepted])
+    total = 0.0
     for held in range(len(turns)):
-        rows = [row for index, (part, _) in enumerate(turns) if index != held for row in part]
-        labels = torch.tensor([label for index, (_, part) in enumerate(turns) if index != held for label in part],
-                              dtype=torch.float64)
-        weights = fit_logistic(_design(rows, signals), labels)
-        test_rows, test_labels = turns[held]
-        if not test_rows:
+        test = turn_of == held
+        if not test.any():
             continue
-        p = torch.sigmoid(_design(test_rows, signals) @ weights).clamp(1e-6, 1 - 1e-6)
-        truth = torch.tensor(test_labels, dtype=torch.float64)
+        weights = fit_logistic(design[~test], labels[~test])
+        p = torch.sigmoid(design[test] @ weights).clamp(1e-6, 1 - 1e-6)
+        truth = labels[test]
         total += float(-(truth * p.log() + (1 - truth) * (1 - p).log()).sum())
-        count += len(test_rows)
-    return total / count
+    return total / len(labels)
 
 
-def compare_signals(streams: Sequence[Stream]) -> dict[str, float]:
-    """`held_out_loss` of every set of `MODELS`, by name ("none" for the overall rate alone)."""
-    turns = [revealed_drafts(stream) for stream in streams]
+def compare_signals(turns: Sequence[tuple[list[dict[str, float]], list[bool]]]) -> dict[str, float]:
+    """`held_out_loss` of every set of `MODELS`, by name ("none" for the overall rate alone), over the turns'
+    `revealed_drafts`."""
     return {" + ".join(signals) or "none": held_out_loss(turns, signals) for signals in MODELS}
 
 
@@ -110,8 +109,9 @@ def run_acceptance_features(replays: Sequence[str], out: str | None = None) -> s
     turns together; the table as markdown, and with ``out`` ``summary.json`` and ``results.md`` there."""
     streams = [stream for directory in replays
                for stream in load_streams(Path(directory) / "streams.jsonl").values()]
-    drafts = sum(len(revealed_drafts(stream)[1]) for stream in streams)
-    losses = compare_signals(streams)
+    turns = [revealed_drafts(stream) for stream in streams]
+    drafts = sum(len(accepted) for _, accepted in turns)
+    losses = compare_signals(turns)
     base = losses["confidence"]
     lines = [f"{len(streams)} turns, {drafts} revealed drafts; log-loss per draft on held-out turns (leave one turn "
              "out), and its change against the confidence alone.", "",

@@ -5,12 +5,13 @@ acceptance depends on and no gain where it does not."""
 from __future__ import annotations
 
 import json
+import math
 import random
 
 import pytest
 
 import benchmarks.cli
-from benchmarks.acceptance_features import RECENT, compare_signals, revealed_drafts
+from benchmarks.acceptance_features import RECENT, compare_signals as compare_turns, held_out_loss, revealed_drafts
 from benchmarks.stopping_replay import Stream, save_streams
 
 
@@ -25,6 +26,10 @@ def _streams(accept, count: int = 6, tokens: int = 120, depth: int = 8, seed: in
                    for p, row in enumerate(confidences)]
         streams.append(Stream(matches, confidences))
     return streams
+
+
+def compare_signals(streams: list[Stream]) -> dict[str, float]:
+    return compare_turns([revealed_drafts(stream) for stream in streams])
 
 
 def test_each_revealed_draft_gets_its_signals_known_when_it_is_made():
@@ -49,6 +54,15 @@ def test_where_acceptance_follows_the_confidence_alone_no_other_signal_helps():
     assert losses["confidence"] < 0.85 * losses["none"]  # the signal the schedule reads does the work
     for name in ("confidence + previous", "confidence + depth", "confidence + recent"):
         assert losses[name] > 0.99 * losses["confidence"], name
+
+
+def test_each_turn_is_scored_by_a_fit_to_the_others_alone():
+    """Two turns accepting 3 of 4 and 1 of 4 drafts: the overall rate fitted to the other turn is 1/4 for the
+    first and 3/4 for the second, so each draft costs (3 log 4 + log 4/3) / 4 on average (log 2 had a turn's
+    own drafts been fitted too)."""
+    row = {"confidence": 0.5, "previous": 1.0, "depth": 0.0, "recent": 0.5}
+    turns = [([row] * 4, [True, True, True, False]), ([row] * 4, [True, False, False, False])]
+    assert held_out_loss(turns, ()) == pytest.approx((3 * math.log(4) + math.log(4 / 3)) / 4, rel=1e-3)
 
 
 def test_a_signal_the_acceptance_depends_on_lowers_the_held_out_loss():
