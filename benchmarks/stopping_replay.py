@@ -12,6 +12,14 @@ that drafts k tokens accepts min(m_p, k), emits those and the target's next toke
 steps plus one verification of k + 1 tokens (`Costs`: the target's measured T(k + 1), the drafter's
 measured T(1) a step). Greedy only: along the target's path a draft's fate is known without the target.
 What it leaves out: per-round overheads (the same for every rule) and the drafter's catch-up forwards.
+
+What drafting more than one continuation would add (`Siblings`): at each position the stream also keeps the
+rank of the target's token among the drafter's choices from the target's prefix (``ranks``). A round whose
+drafts carry the drafter's next choices as leaves (a tree the target verifies in the same forward, each leaf
+seeing the drafts before it) emits one token more where its first rejected draft's position holds the
+target's token among those leaves: the leaf, then the target's token after it. Such a round verifies the
+leaves too, and the leaf is fed again next round; the drafter's steps do not change (its choices come
+from the forwards that drew the drafts).
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ from hf_polybasic.schedule.factory import RowSchedules
 TRANSFORMERS_RULE = (0.4, 20)
 THRESHOLDS = (0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
 CAPS = (4, 8, 12, 16, 20, 24)
+RANKS_KEPT = 4  # a stream's ranks tell the drafter's first four choices apart; lower ranks read 0
 
 
 @dataclass
@@ -42,6 +51,7 @@ class Stream:
 
     matches: list[int]
     confidences: list[list[float]]
+    ranks: list[int] | None = None  # [p]: the target's token p among the drafter's choices from its prefix (1: first)
 
     @property
     def tokens(self) -> int:
@@ -55,9 +65,36 @@ class Costs:
     verify: CostCurve
     step: float
 
-    def round_seconds(self, drafted: int, forwards: int) -> float:
-        """A round of ``forwards`` drafting steps whose ``drafted`` tokens the target verifies."""
-        return forwards * self.step + self.verify.seconds(drafted + 1)
+    def round_seconds(self, drafted: int, forwards: int, leaves: int = 0) -> float:
+        """A round of ``forwards`` drafting steps whose ``drafted`` tokens (and ``leaves`` more) the target verifies."""
+        return forwards * self.step + self.verify.seconds(drafted + leaves + 1)
+
+
+@dataclass(frozen=True)
+class Siblings:
+    """A round's drafts verified with the drafter's next ``per_draft`` choices at each draft as leaves (only
+    at its last draft: ``last_only``): `leaves` the target verifies beside the drafts, and whether the round
+    emits a token more (`hits`)."""
+
+    per_draft: int
+    last_only: bool = False
+
+    def leaves(self, drafted: int) -> int:
+        return min(drafted, 1) * self.per_draft if self.last_only else drafted * self.per_draft
+
+    def hits(self, rank: int, accepted: int, drafted: int) -> bool:
+        """Whether the target's token where the round's first rejected draft stood (the ``rank``th of the
+        drafter's choices there) is among the leaves at that draft."""
+        if accepted >= drafted or (self.last_only and accepted != drafted - 1):
+            return False
+        return 2 <= rank <= 1 + self.per_draft
+
+
+def rank_of(logits: torch.Tensor, token: int) -> int:
+    """Where ``token`` stands among the choices of ``logits`` ``[V]`` (1: the largest; ties rank alike), or 0
+    past `RANKS_KEPT`."""
+    rank = 1 + int((logits > logits[token]).sum())
+    return rank if rank <= RANKS_KEPT else 0
 
 
 @torch.no_grad()
@@ -71,8 +108,9 @@ def drafter_stream(target, drafter, input_ids: torch.LongTensor, new_tokens: int
     cache = new_dynamic_cache(drafter)
     feed = {cache_argument(drafter): cache, "use_cache": True}
     logits = drafter(input_ids, **feed).logits[0, -1]
-    matches, confidences = [], []
+    matches, confidences, ranks = [], [], []
     for position in range(output.shape[0]):
+        ranks.append(rank_of(logits, int(output[position])))
         drafted, sure = [], []
         next_logits = logits
         for index in range(depth):
@@ -90,7 +128,7 @@ def drafter_stream(target, drafter, input_ids: torch.LongTensor, new_tokens: int
         matches.append(matched)
         confidences.append(sure)
         logits = drafter(output[position].view(1, 1), **feed).logits[0, -1]
-    return Stream(matches, confidences), output
+    return Stream(matches, confidences, ranks), output
 
 
 class Rule:
@@ -177,6 +215,14 @@ class Oracle(Rule):
         return min(stream.matches[position], budget)
 
 
+# the leaves replayed beside the default schedule's drafts, where the streams carry ranks
+SIBLING_SHAPES = {
+    "the drafter's second choice at its last draft": Siblings(1, last_only=True),
+    "its second choice at every draft": Siblings(1),
+    "its second and third choices at every draft": Siblings(2),
+}
+
+
 class _Key:
     """A weakly referable stand-in for a model in the calibration memory."""
 
@@ -195,22 +241,32 @@ class Replayed:
         return self.tokens / self.seconds
 
 
-def replay(streams: Iterable[Stream], rule: Rule, costs: Costs) -> Replayed:
+def replay(streams: Iterable[Stream], rule: Rule, costs: Costs, siblings: Siblings | None = None) -> Replayed:
     """Replay ``rule`` along each stream in turn (`Stream`, `Costs`): a round at position p drafts
     ``rule(stream, p, budget)`` tokens, accepts min(matches[p], drafted) and emits one more;
     ``budget`` keeps the round within the stream. A round costs a drafting step per drafted token, and
-    one more where the rule ran the drafter and then drafted nothing (`Rule.extra_forwards`)."""
+    one more where the rule ran the drafter and then drafted nothing (`Rule.extra_forwards`). With
+    ``siblings`` (streams with ranks) the target verifies their leaves too, and a round they hit emits one
+    more token and verifies one more (the leaf, fed again)."""
     result = Replayed()
     for stream in streams:
+        if siblings is not None and stream.ranks is None:
+            raise ValueError("replaying siblings needs streams with ranks (made by this version of stopping-replay)")
         rule.start()
         position, seconds = 0, 0.0
         while position < stream.tokens:
             drafted = rule(stream, position, stream.tokens - position - 1)
             accepted = min(stream.matches[position], drafted)
-            seconds += costs.round_seconds(drafted, drafted + rule.extra_forwards)
+            leaves, emitted = 0, accepted + 1
+            if siblings is not None:
+                leaves = siblings.leaves(drafted)
+                # a rejected draft leaves the budget a token past it: the leaf's next token is in the stream
+                if siblings.hits(stream.ranks[position + accepted], accepted, drafted):
+                    leaves, emitted = leaves + 1, emitted + 1
+            seconds += costs.round_seconds(drafted, drafted + rule.extra_forwards, leaves)
             rule.extra_forwards = 0
             rule.observe(drafted, accepted, costs)
-            position += accepted + 1
+            position += emitted
             result.rounds += 1
             result.drafted += drafted
         rule.finish()
@@ -237,6 +293,11 @@ def compare(streams: Sequence[Stream], costs: Costs) -> dict:
     best = max(((replay(streams, Threshold(t, c), costs), t, c) for t in THRESHOLDS for c in CAPS),
                key=lambda item: item[0].rate)
     rows[f"best threshold in hindsight ({best[1]}, up to {best[2]})"] = best[0]
+    if all(stream.ranks is not None for stream in streams):
+        for name, siblings in SIBLING_SHAPES.items():
+            rule = Schedule(costs)
+            replay(streams, rule, costs, siblings)
+            rows[f"ours, {name}"] = replay(streams, rule, costs, siblings)
     reference = rows["transformers (0.4, up to 20)"].rate
     return {name: {"x_plain": row.rate / plain, "x_transformers": row.rate / reference,
                    "tokens_per_round": row.tokens / row.rounds, "drafted_per_round": row.drafted / row.rounds}
@@ -249,13 +310,15 @@ def depth_of(named: dict[str, Stream]) -> int:
 
 
 def save_streams(path: Path, named: dict[str, Stream]) -> None:
-    path.write_text("".join(json.dumps({"name": name, "matches": s.matches, "confidences": s.confidences}) + "\n"
+    path.write_text("".join(json.dumps({"name": name, "matches": s.matches, "confidences": s.confidences,
+                                        **({"ranks": s.ranks} if s.ranks is not None else {})}) + "\n"
                             for name, s in named.items()))
 
 
 def load_streams(path: Path) -> dict[str, Stream]:
+    """The streams ``save_streams`` wrote (those of reports before ranks were kept have none)."""
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return {row["name"]: Stream(row["matches"], row["confidences"]) for row in rows}
+    return {row["name"]: Stream(row["matches"], row["confidences"], row.get("ranks")) for row in rows}
 
 
 def run_stopping_replay(models: str, target_dtype: str, question_file: str | None, categories: Sequence[str] | None,
@@ -296,8 +359,11 @@ def run_stopping_replay(models: str, target_dtype: str, question_file: str | Non
                 named[f"{question.question_id}/{turn}"] = stream
                 answers.append(model_set.tokenizer.decode(output, skip_special_tokens=True))
     depth = depth_of(named)  # a streams file's own
-    costs = Costs(measure_curve(target, tokens=range(1, depth + 2)),
-                  measure_curve(drafter, tokens=(1,)).seconds(1))
+    widths = set(range(1, depth + 2))
+    if all(stream.ranks is not None for stream in named.values()):  # the widest round with leaves, every 4th
+        widest = max(s.leaves(MAX_DRAFT_TOKENS) for s in SIBLING_SHAPES.values()) + MAX_DRAFT_TOKENS + 2
+        widths |= {*range(depth + 2, widest, 4), widest}
+    costs = Costs(measure_curve(target, tokens=sorted(widths)), measure_curve(drafter, tokens=(1,)).seconds(1))
     table = compare(list(named.values()), costs)
     machine = machine_description(target)
     lines = [f"Drafter `{model_set.labels['draft']}`, target `{model_set.labels['target']}`, "

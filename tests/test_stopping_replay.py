@@ -11,8 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import benchmarks.cli
-from benchmarks.stopping_replay import (Costs, Oracle, Rule, Schedule, Stream, Threshold, compare, drafter_stream,
-                                       replay)
+from benchmarks.stopping_replay import (RANKS_KEPT, Costs, Oracle, Rule, Schedule, Siblings, Stream, Threshold, compare,
+                                       drafter_stream, load_streams, rank_of, replay, save_streams)
 from hf_polybasic.costs import CostCurve
 from hf_polybasic.testing import make_target, noisy_copy, prompt
 
@@ -44,10 +44,13 @@ def test_streams_hold_the_drafters_greedy_drafts_along_the_targets_path(noise):
         matched = next((i for i, (a, b) in enumerate(zip(tokens, ahead)) if a != b), min(depth, len(ahead)))
         assert stream.matches[position] == matched
         assert stream.confidences[position] == pytest.approx(confidences, abs=2e-4)
+        probs = drafter(torch.cat([ids[0], output[:position]])[None]).logits[0, -1].float()
+        rank = 1 + int((probs > probs[output[position]]).sum())
+        assert stream.ranks[position] == (rank if rank <= RANKS_KEPT else 0)
     if noise == 0.0:  # the target drafting for itself matches everything ahead
-        assert stream.matches == [min(depth, 12 - p) for p in range(12)]
+        assert stream.matches == [min(depth, 12 - p) for p in range(12)] and stream.ranks == [1] * 12
     else:  # a negative control: a noisy drafter does not
-        assert stream.matches != [min(depth, 12 - p) for p in range(12)]
+        assert stream.matches != [min(depth, 12 - p) for p in range(12)] and stream.ranks != [1] * 12
 
 
 FLAT = Costs(CostCurve({1: 1.0, 2: 1.0, 16: 1.0, 32: 1.0}), 0.25)
@@ -67,6 +70,66 @@ def test_a_threshold_rule_replays_round_by_round():
     assert replay([stream], Threshold(0.2, 3), FLAT).seconds == pytest.approx(1.75 + 1.75 + 1.0)
     # a token exactly at the threshold does not stop the drafts (transformers stops below it)
     assert Threshold(0.3, 3)(stream, 0, 6) == 3 and Threshold(0.31, 3)(stream, 0, 6) == 2
+
+
+SLOPED = Costs(CostCurve({1: 1.0, 2: 1.1, 64: 7.3}), 0.25)  # T(k) = 0.9 + 0.1 k
+
+
+def test_leaves_emit_a_token_more_where_the_first_rejected_draft_held_the_targets_token_among_them():
+    # Threshold(0, 2) drafts 2 a round. Position 0: draft 1 accepted, draft 2 rejected where the target's
+    # token is the drafter's second choice (rank 2): with leaves the round emits 3 (the leaf, then the
+    # target's token after it) and verifies 2 drafts, their leaves and the leaf again; position 3: both
+    # drafts accepted, nothing for a leaf to do
+    stream = Stream(matches=[1, 0, 0, 2, 1, 0], confidences=[[0.9, 0.9]] * 6, ranks=[1, 2, 1, 1, 3, 2])
+    plain = replay([stream], Threshold(0.0, 2), SLOPED)
+    assert (plain.tokens, plain.rounds) == (6, 3)  # without leaves: 2 + 1 + 3 tokens
+    second = replay([stream], Threshold(0.0, 2), SLOPED, Siblings(1))
+    assert (second.tokens, second.rounds) == (6, 2)
+    assert second.seconds == pytest.approx((0.5 + 0.9 + 0.1 * (2 + 2 + 1 + 1)) + (0.5 + 0.9 + 0.1 * (2 + 2 + 1)))
+    # a negative control: the target's token third among the drafter's choices needs two leaves a draft
+    third = Stream(stream.matches, stream.confidences, ranks=[1, 3, 1, 1, 3, 2])
+    assert replay([third], Threshold(0.0, 2), SLOPED, Siblings(1)).rounds == 3
+    two = replay([third], Threshold(0.0, 2), SLOPED, Siblings(2))
+    assert two.rounds == 2 and two.seconds == pytest.approx(2 * 0.5 + 2 * 0.9 + 0.1 * ((2 + 4 + 1 + 1) + (2 + 4 + 1)))
+    # a leaf at the last draft only: the rejection at position 0's second draft is there; at a first draft it is not
+    assert replay([stream], Threshold(0.0, 2), SLOPED, Siblings(1, last_only=True)).rounds == 2
+    early = Stream([0, 0, 0, 2, 1, 0], stream.confidences, ranks=[2, 1, 1, 1, 3, 2])
+    assert replay([early], Threshold(0.0, 2), SLOPED, Siblings(1, last_only=True)).rounds == 4
+    assert replay([early], Threshold(0.0, 2), SLOPED, Siblings(1)).rounds == 3
+    # a round that drafted nothing (the last position) verifies no leaf; one that stopped drafting where
+    # the drafter's next draft would have missed has no leaf there (position 0 here: 2 drafted and accepted)
+    late = replay([Stream([2, 0, 0, 0], [[0.9] * 2] * 4, ranks=[1, 1, 2, 1])], Threshold(0.0, 2), SLOPED,
+                  Siblings(1, last_only=True))
+    assert (late.rounds, late.seconds) == (2, pytest.approx((0.5 + 0.9 + 0.1 * (2 + 1 + 1)) + (0.9 + 0.1)))
+    with pytest.raises(ValueError, match="needs streams with ranks"):
+        replay([Stream([0], [[0.9]])], Threshold(0.0, 2), SLOPED, Siblings(1))
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 6), st.integers(0, RANKS_KEPT)), min_size=1, max_size=30),
+       st.integers(1, 2), st.booleans())
+def test_leaves_emit_each_stream_exactly_and_where_none_can_hit_only_add_their_verification(rows, per_draft, last_only):
+    matches = [min(m, len(rows) - 1 - p) for p, (m, _) in enumerate(rows)]
+    stream = Stream(matches, [[0.9] * 6] * len(rows), ranks=[rank for _, rank in rows])
+    siblings = Siblings(per_draft, last_only)
+    assert replay([stream], Threshold(0.5, 4), SLOPED, siblings).tokens == stream.tokens
+    missed = Stream(matches, stream.confidences, ranks=[0 if 2 <= rank <= 1 + per_draft else rank for _, rank in rows])
+    without, result = replay([missed], Threshold(0.5, 4), SLOPED), replay([missed], Threshold(0.5, 4), SLOPED, siblings)
+    assert (result.tokens, result.rounds, result.drafted) == (without.tokens, without.rounds, without.drafted)
+    assert result.seconds >= without.seconds
+
+
+def test_a_rank_counts_the_choices_above_a_token_ties_alike_and_stops_at_the_kept_ones():
+    logits = torch.tensor([0.1, 0.5, 0.3, 0.2, 0.9, 0.5, -1.0])
+    assert [rank_of(logits, token) for token in range(7)] == [0, 2, 4, 0, 1, 2, 0]
+    assert RANKS_KEPT == 4
+
+
+def test_streams_keep_their_ranks_on_disk_and_older_files_have_none(tmp_path):
+    named = {"1/0": Stream([1, 0], [[0.5], [0.25]], ranks=[1, 0]), "1/1": Stream([0], [[0.5]]),
+             "2/0": Stream([], [], ranks=[])}
+    save_streams(tmp_path / "streams.jsonl", named)
+    assert load_streams(tmp_path / "streams.jsonl") == named
 
 
 def test_ours_drafts_the_longest_rounds_where_drafts_are_free_and_none_where_they_cannot_pay():
@@ -136,13 +199,26 @@ def test_the_command_runs_on_tiny_models(capsys, tmp_path):
                                 "--out", str(tmp_path)]) == 0
     text = capsys.readouterr().out
     assert "| ours (CostAwareSchedule) |" in text and "flags" in text
+    assert "| ours, its second choice at every draft |" in text
     assert {path.name for path in tmp_path.iterdir()} == {"streams.jsonl", "summary.json", "results.md"}
     saved = (tmp_path / "streams.jsonl").read_text()
     assert benchmarks.cli.main(["stopping-replay", "--models", "tiny", "--streams", str(tmp_path / "streams.jsonl"),
                                 "--out", str(tmp_path / "again")]) == 0
     assert (tmp_path / "again" / "streams.jsonl").read_text() == saved
-    # the costs are measured up to a verification of the saved streams' depth, not --depth's default
+    # the costs are measured up to a verification of the saved streams' depth (not --depth's default) and,
+    # every 4th width, up to the widest round with leaves (16 drafts, 2 leaves each, the leaf fed again)
     verify = json.loads((tmp_path / "again" / "summary.json").read_text())["costs"]["verify"]
+    assert sorted(int(k) for k in verify) == [1, 2, 3, 4, 5, 9, 13, 17, 21, 25, 29, 33, 37, 41, 45, 49, 50]
+    # a streams file without ranks (before they were kept): the same rules, none with leaves
+    old = tmp_path / "old.jsonl"
+    old.write_text("".join(json.dumps({k: v for k, v in json.loads(line).items() if k != "ranks"}) + "\n"
+                           for line in saved.splitlines()))
+    capsys.readouterr()
+    assert benchmarks.cli.main(["stopping-replay", "--models", "tiny", "--streams", str(old),
+                                "--out", str(tmp_path / "older")]) == 0
+    text = capsys.readouterr().out
+    assert "| ours (CostAwareSchedule) |" in text and "choice" not in text
+    verify = json.loads((tmp_path / "older" / "summary.json").read_text())["costs"]["verify"]
     assert max(int(k) for k in verify) == 3 + 1
 
 
