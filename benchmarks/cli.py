@@ -79,7 +79,7 @@ def _stopping_replay(args: argparse.Namespace) -> int:
     categories = args.categories.split(",") if args.categories else None
     print(run_stopping_replay(args.models, args.target_dtype, args.question_file, categories, args.questions_per_group,
                               args.max_new_tokens, args.depth, args.out, args.pack_target, args.streams,
-                              args.skip_questions), end="")
+                              args.skip_questions, args.fit_line), end="")
     return 0
 
 
@@ -153,6 +153,8 @@ def add_benchmark_parsers(commands) -> None:
     replay.add_argument("--out", default=None, help="directory for streams.jsonl, summary.json and results.md")
     replay.add_argument("--streams", default=None, help="the streams.jsonl of an earlier run: its turns of the "
                         "selected questions replayed again with costs measured now, the models not run on them")
+    replay.add_argument("--fit-line", action="store_true", help="price the rounds by the least-squares line "
+                        "through the measured T(k), so that one width's noisy timing does not decide small differences")
     replay.set_defaults(handler=_stopping_replay)
 
     noise = commands.add_parser(

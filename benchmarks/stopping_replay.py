@@ -304,6 +304,17 @@ def compare(streams: Sequence[Stream], costs: Costs) -> dict:
             for name, row in rows.items()}
 
 
+def line_through(points: dict[int, float]) -> dict[int, float]:
+    """The least-squares line through measured ``{tokens: seconds}`` at the same widths: a replay priced by it
+    is not decided by one width's noisy timing (differences of a few percent between rules can be)."""
+    widths = sorted(points)
+    mean_k = sum(widths) / len(widths)
+    mean_t = sum(points[k] for k in widths) / len(widths)
+    spread = sum((k - mean_k) ** 2 for k in widths)
+    slope = sum((k - mean_k) * (points[k] - mean_t) for k in widths) / spread if spread else 0.0
+    return {k: mean_t + slope * (k - mean_k) for k in widths}
+
+
 def depth_of(named: dict[str, Stream]) -> int:
     """How many tokens the drafter drafted at each position of these streams."""
     return len(next(iter(named.values())).confidences[0])
@@ -323,10 +334,12 @@ def load_streams(path: Path) -> dict[str, Stream]:
 
 def run_stopping_replay(models: str, target_dtype: str, question_file: str | None, categories: Sequence[str] | None,
                         questions_per_group: int | None, max_new_tokens: int, depth: int, out: str | None,
-                        pack_target: bool = False, streams: str | None = None, skip_questions: int = 0) -> str:
+                        pack_target: bool = False, streams: str | None = None, skip_questions: int = 0,
+                        fit_line: bool = False) -> str:
     """Streams of the model set's drafter along its target's greedy answers to the chosen questions (every
     turn, each after the target's own earlier answers, as the benchmark's chats; ``skip_questions``: the
     first N of each category left out; or those turns of the ``streams`` file of an earlier run), the target's cost curve
+    (with ``fit_line``: the least-squares line through it, `line_through`)
     and the drafter's step measured here, and every rule compared (`compare`); the table as markdown, and
     with ``out``: ``streams.jsonl``, ``summary.json`` and ``results.md`` there."""
     from hf_polybasic.cli.model_sets import build_model_set
@@ -363,13 +376,16 @@ def run_stopping_replay(models: str, target_dtype: str, question_file: str | Non
     if all(stream.ranks is not None for stream in named.values()):  # the widest round with leaves, every 4th
         widest = max(s.leaves(MAX_DRAFT_TOKENS) for s in SIBLING_SHAPES.values()) + MAX_DRAFT_TOKENS + 2
         widths |= {*range(depth + 2, widest, 4), widest}
-    costs = Costs(measure_curve(target, tokens=sorted(widths)), measure_curve(drafter, tokens=(1,)).seconds(1))
+    measured = measure_curve(target, tokens=sorted(widths))
+    verify = CostCurve(line_through(measured.points)) if fit_line else measured
+    costs = Costs(verify, measure_curve(drafter, tokens=(1,)).seconds(1))
     table = compare(list(named.values()), costs)
     machine = machine_description(target)
     lines = [f"Drafter `{model_set.labels['draft']}`, target `{model_set.labels['target']}`, "
              f"{len(named)} turns ({', '.join(named)}), "
              f"{max_new_tokens} new tokens, drafts {depth} deep; T(1) {costs.verify.seconds(1):.3f} s, "
-             f"T(17) {costs.verify.seconds(17):.3f} s, a drafting step {costs.step:.3f} s; "
+             f"T(17) {costs.verify.seconds(17):.3f} s{' (the line through the measured T(k))' if fit_line else ''}, "
+             f"a drafting step {costs.step:.3f} s; "
              f"CPU {machine.get('cpu')} ({machine.get('class')}), flags {', '.join(machine.get('cpu_flags', []))}.",
              "", "| rule | x plain | x transformers' | tokens per target forward | drafted per round |",
              "|---|---|---|---|---|"]
@@ -381,7 +397,8 @@ def run_stopping_replay(models: str, target_dtype: str, question_file: str | Non
         directory.mkdir(parents=True, exist_ok=True)
         save_streams(directory / "streams.jsonl", named)
         (directory / "summary.json").write_text(json.dumps(
-            {"table": table, "costs": {"verify": costs.verify.points, "step": costs.step}, "machine": machine,
+            {"table": table, "costs": {"verify": costs.verify.points, "step": costs.step, "measured": measured.points},
+             "machine": machine,
              "turns": list(named)}, indent=1, default=str) + "\n")
         (directory / "results.md").write_text(text)
     return text

@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 
 import benchmarks.cli
 from benchmarks.stopping_replay import (RANKS_KEPT, Costs, Oracle, Rule, Schedule, Siblings, Stream, Threshold, compare,
-                                       drafter_stream, load_streams, rank_of, replay, save_streams)
+                                       drafter_stream, line_through, load_streams, rank_of, replay,
+                                       save_streams)
 from hf_polybasic.costs import CostCurve
 from hf_polybasic.testing import make_target, noisy_copy, prompt
 
@@ -220,6 +221,20 @@ def test_the_command_runs_on_tiny_models(capsys, tmp_path):
     assert "| ours (CostAwareSchedule) |" in text and "choice" not in text
     verify = json.loads((tmp_path / "older" / "summary.json").read_text())["costs"]["verify"]
     assert max(int(k) for k in verify) == 3 + 1
+    # --fit-line prices the rounds by the line through the measured costs, and keeps what was measured
+    assert benchmarks.cli.main(["stopping-replay", "--models", "tiny", "--streams", str(old), "--fit-line",
+                                "--out", str(tmp_path / "line")]) == 0
+    assert "the line through the measured T(k)" in capsys.readouterr().out
+    costs = json.loads((tmp_path / "line" / "summary.json").read_text())["costs"]
+    fitted = line_through({int(k): v for k, v in costs["measured"].items()})
+    assert {int(k): v for k, v in costs["verify"].items()} == pytest.approx(fitted)
+
+
+def test_the_line_through_measured_costs_is_least_squares():
+    assert line_through({1: 1.0, 2: 2.0, 3: 3.0}) == pytest.approx({1: 1.0, 2: 2.0, 3: 3.0})
+    # the noisy middle point pulls the line's level, not its slope: residuals sum to zero
+    assert line_through({1: 1.0, 2: 3.0, 3: 3.0}) == pytest.approx({1: 4 / 3, 2: 7 / 3, 3: 10 / 3})
+    assert line_through({1: 1.0, 5: 3.0}) == pytest.approx({1: 1.0, 5: 3.0}) and line_through({4: 2.0}) == {4: 2.0}
 
 
 def test_skip_questions_replays_the_questions_after_the_first_n(tmp_path):
