@@ -26,7 +26,8 @@ from hf_polybasic.costs import CostCurve, CostEstimate
 from hf_polybasic.costs import estimate as estimate_module
 from hf_polybasic.costs.store import CostCurves
 
-from .stopping_replay import TRANSFORMERS_RULE, Costs, Schedule, Stream, Threshold, load_streams, replay
+from .stopping_replay import (TRANSFORMERS_RULE, Costs, Schedule, Stream, Threshold, load_streams, replay,
+                             second_pass)
 
 FORWARDS_PER_CALL = 30
 # a width's correction "by its own forwards alone": POINT_PRIOR -> 0 (exactly 0 divides by nothing at a
@@ -50,8 +51,7 @@ def schedule_rate(streams: Sequence[Stream], costs: Costs, seen: CostEstimate) -
     """Tokens per second of the default schedule seeing ``seen``, its second pass along ``streams`` (its
     calibration carried from the first, as `stopping_replay.compare` counts it), and the widths it verified."""
     rule = _Recording(costs, seen)
-    replay(streams, rule, costs)
-    return replay(streams, rule, costs).rate, rule.widths
+    return second_pass(streams, rule, costs).rate, rule.widths
 
 
 @contextmanager

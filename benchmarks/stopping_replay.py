@@ -25,7 +25,7 @@ from the forwards that drew the drafts).
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -275,29 +275,33 @@ def replay(streams: Iterable[Stream], rule: Rule, costs: Costs, siblings: Siblin
     return result
 
 
+def ranked(streams: Iterable[Stream]) -> bool:
+    """Whether every stream keeps its ranks (made since they are kept), so that leaves can be replayed."""
+    return all(stream.ranks is not None for stream in streams)
+
+
+def second_pass(streams: Sequence[Stream], rule: Rule, costs: Costs, siblings: Siblings | None = None) -> Replayed:
+    """`replay` of ``rule`` counted on its second pass along ``streams``: the first is the warm-up, leaving
+    what a bench's earlier calls leave (the default schedule's calibration)."""
+    replay(streams, rule, costs, siblings)
+    return replay(streams, rule, costs, siblings)
+
+
 def compare(streams: Sequence[Stream], costs: Costs) -> dict:
     """Every rule along ``streams``: speed over plain decoding (1 / T(1)) and over transformers' rule.
     Ours runs the streams twice and counts the second pass (its calibration carried, as after warm-up)."""
     plain = 1.0 / costs.verify.seconds(1)
-    rules: dict[str, Callable[[], Rule]] = {
-        "transformers (0.4, up to 20)": lambda: Threshold(*TRANSFORMERS_RULE),
-        "ours (CostAwareSchedule)": lambda: Schedule(costs),
-        "oracle (hindsight)": Oracle,
+    rows = {
+        "transformers (0.4, up to 20)": replay(streams, Threshold(*TRANSFORMERS_RULE), costs),
+        "ours (CostAwareSchedule)": second_pass(streams, Schedule(costs), costs),
+        "oracle (hindsight)": replay(streams, Oracle(), costs),
     }
-    rows = {}
-    for name, make in rules.items():
-        rule = make()
-        if isinstance(rule, Schedule):
-            replay(streams, rule, costs)  # warm-up: the calibration a bench's earlier calls leave
-        rows[name] = replay(streams, rule, costs)
     best = max(((replay(streams, Threshold(t, c), costs), t, c) for t in THRESHOLDS for c in CAPS),
                key=lambda item: item[0].rate)
     rows[f"best threshold in hindsight ({best[1]}, up to {best[2]})"] = best[0]
-    if all(stream.ranks is not None for stream in streams):
-        for name, siblings in SIBLING_SHAPES.items():
-            rule = Schedule(costs)
-            replay(streams, rule, costs, siblings)
-            rows[f"ours, {name}"] = replay(streams, rule, costs, siblings)
+    if ranked(streams):
+        rows.update({f"ours, {name}": second_pass(streams, Schedule(costs), costs, siblings)
+                     for name, siblings in SIBLING_SHAPES.items()})
     reference = rows["transformers (0.4, up to 20)"].rate
     return {name: {"x_plain": row.rate / plain, "x_transformers": row.rate / reference,
                    "tokens_per_round": row.tokens / row.rounds, "drafted_per_round": row.drafted / row.rounds}
@@ -373,7 +377,7 @@ def run_stopping_replay(models: str, target_dtype: str, question_file: str | Non
                 answers.append(model_set.tokenizer.decode(output, skip_special_tokens=True))
     depth = depth_of(named)  # a streams file's own
     widths = set(range(1, depth + 2))
-    if all(stream.ranks is not None for stream in named.values()):  # the widest round with leaves, every 4th
+    if ranked(named.values()):  # the widest round with leaves, every 4th
         widest = max(s.leaves(MAX_DRAFT_TOKENS) for s in SIBLING_SHAPES.values()) + MAX_DRAFT_TOKENS + 2
         widths |= {*range(depth + 2, widest, 4), widest}
     measured = measure_curve(target, tokens=sorted(widths))
