@@ -45,8 +45,8 @@ def test_streams_hold_the_drafters_greedy_drafts_along_the_targets_path(noise):
         matched = next((i for i, (a, b) in enumerate(zip(tokens, ahead)) if a != b), min(depth, len(ahead)))
         assert stream.matches[position] == matched
         assert stream.confidences[position] == pytest.approx(confidences, abs=2e-4)
-        probs = drafter(torch.cat([ids[0], output[:position]])[None]).logits[0, -1].float()
-        rank = 1 + int((probs > probs[output[position]]).sum())
+        logits = drafter(torch.cat([ids[0], output[:position]])[None]).logits[0, -1].float()
+        rank = 1 + int((logits > logits[output[position]]).sum())
         assert stream.ranks[position] == (rank if rank <= RANKS_KEPT else 0)
     if noise == 0.0:  # the target drafting for itself matches everything ahead
         assert stream.matches == [min(depth, 12 - p) for p in range(12)] and stream.ranks == [1] * 12
