@@ -29,6 +29,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy
 import torch
 
 from hf_polybasic.compat import cache_argument, new_dynamic_cache, remove_last_tokens
@@ -312,11 +313,10 @@ def line_through(points: dict[int, float]) -> dict[int, float]:
     """The least-squares line through measured ``{tokens: seconds}`` at the same widths: a replay priced by it
     is not decided by one width's noisy timing (differences of a few percent between rules can be)."""
     widths = sorted(points)
-    mean_k = sum(widths) / len(widths)
-    mean_t = sum(points[k] for k in widths) / len(widths)
-    spread = sum((k - mean_k) ** 2 for k in widths)
-    slope = sum((k - mean_k) * (points[k] - mean_t) for k in widths) / spread if spread else 0.0
-    return {k: mean_t + slope * (k - mean_k) for k in widths}
+    if len(widths) < 2:
+        return dict(points)
+    slope, intercept = numpy.polyfit(widths, [points[k] for k in widths], 1)
+    return {k: float(intercept + slope * k) for k in widths}
 
 
 def depth_of(named: dict[str, Stream]) -> int:
