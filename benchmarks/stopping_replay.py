@@ -281,6 +281,17 @@ def ranked(streams: Iterable[Stream]) -> bool:
     return all(stream.ranks is not None for stream in streams)
 
 
+def miss_ranks(streams: Iterable[Stream]) -> dict[int, int]:
+    """How often, where the target's token was not the drafter's first choice, it was its 2nd, 3rd, ... choice
+    (``0``: below the `RANKS_KEPT` kept), by rank. (A token tied with the first choice ranks 1 and is left out.)"""
+    counted = {rank: 0 for rank in (*range(2, RANKS_KEPT + 1), 0)}
+    for stream in streams:
+        for rank in stream.ranks or ():
+            if rank != 1:
+                counted[rank] += 1
+    return counted
+
+
 def second_pass(streams: Sequence[Stream], rule: Rule, costs: Costs, siblings: Siblings | None = None) -> Replayed:
     """`replay` of ``rule`` counted on its second pass along ``streams``: the first is the warm-up, leaving
     what a bench's earlier calls leave (the default schedule's calibration)."""
@@ -395,6 +406,11 @@ def run_stopping_replay(models: str, target_dtype: str, question_file: str | Non
              "|---|---|---|---|---|"]
     lines += [f"| {name} | {row['x_plain']:.2f}x | {row['x_transformers']:.3f}x | {row['tokens_per_round']:.2f} | "
               f"{row['drafted_per_round']:.2f} |" for name, row in table.items()]
+    if ranked(named.values()):
+        missed = miss_ranks(named.values())
+        lines += ["", f"Where the drafter's first choice missed ({sum(missed.values())} positions), the target's token "
+                  f"was its choice " + ", ".join(f"{rank} at {count}" for rank, count in missed.items() if rank)
+                  + f", below {RANKS_KEPT} at {missed[0]}."]
     text = "\n".join(lines) + "\n"
     if out is not None:
         directory = Path(out)
@@ -402,7 +418,7 @@ def run_stopping_replay(models: str, target_dtype: str, question_file: str | Non
         save_streams(directory / "streams.jsonl", named)
         (directory / "summary.json").write_text(json.dumps(
             {"table": table, "costs": {"verify": costs.verify.points, "step": costs.step, "measured": measured.points},
-             "machine": machine,
+             "machine": machine, **({"miss_ranks": miss_ranks(named.values())} if ranked(named.values()) else {}),
              "turns": list(named)}, indent=1, default=str) + "\n")
         (directory / "results.md").write_text(text)
     return text

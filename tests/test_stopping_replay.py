@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 import benchmarks.cli
 from benchmarks.stopping_replay import (RANKS_KEPT, Costs, Oracle, Rule, Schedule, Siblings, Stream, Threshold, compare,
-                                       drafter_stream, line_through, load_streams, rank_of, replay,
+                                       drafter_stream, line_through, load_streams, miss_ranks, rank_of, replay,
                                        save_streams)
 from hf_polybasic.costs import CostCurve
 from hf_polybasic.testing import make_target, noisy_copy, prompt
@@ -201,6 +201,10 @@ def test_the_command_runs_on_tiny_models(capsys, tmp_path):
     text = capsys.readouterr().out
     assert "| ours (CostAwareSchedule) |" in text and "flags" in text
     assert "| ours, its second choice at every draft |" in text
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    missed = miss_ranks(load_streams(tmp_path / "streams.jsonl").values())
+    assert summary["miss_ranks"] == {str(rank): count for rank, count in missed.items()}
+    assert f"Where the drafter's first choice missed ({sum(missed.values())} positions)" in text
     assert {path.name for path in tmp_path.iterdir()} == {"streams.jsonl", "summary.json", "results.md"}
     saved = (tmp_path / "streams.jsonl").read_text()
     assert benchmarks.cli.main(["stopping-replay", "--models", "tiny", "--streams", str(tmp_path / "streams.jsonl"),
@@ -254,3 +258,10 @@ def test_skip_questions_replays_the_questions_after_the_first_n(tmp_path):
     assert turns("--streams", str(both)) == first
     with pytest.raises(ValueError, match="no turn of .* belongs to the selected questions"):
         turns("--streams", str(tmp_path / "all" / "streams.jsonl"), "--skip-questions", "1")
+
+
+def test_miss_ranks_counts_the_target_token_s_rank_where_the_first_choice_missed():
+    # a token tied with the first choice ranks 1: not counted
+    streams = [Stream([0, 1, 0, 0, 0], [[0.5]] * 5, [2, 1, 3, 0, 4]), Stream([0, 0, 2], [[0.5]] * 3, [2, 1, 1])]
+    assert miss_ranks(streams) == {2: 2, 3: 1, 4: 1, 0: 1}
+    assert miss_ranks([Stream([0], [[0.5]])]) == {2: 0, 3: 0, 4: 0, 0: 0}  # no ranks kept
