@@ -170,3 +170,24 @@ def test_the_costs_command_measures_every_variant_and_writes_its_table(tmp_path)
     every = run_costs_table("tiny", repeats=1, out=str(tmp_path), progress=False, only=["fp32"], every_width=True)
     assert "| k=3 | k=4 |" in every and "T(17)/T(1)" in every
     assert (tmp_path / next(p.name for p in tmp_path.iterdir() if p.name.endswith("-fp32-every-width.md"))).exists()
+
+
+@pytest.mark.parametrize("capability, bf16, flags, variables, expected", [
+    ("AVX512", True, {"avx512f", "avx512_bf16", "amx_bf16"}, {}, "AVX-512 with bf16 and AMX"),
+    ("AVX512", True, {"avx512f", "avx512_bf16"}, {}, "AVX-512 with bf16"),  # an AMD EPYC
+    # oneDNN kept off AMX (or anything else restricted): AMX is not claimed
+    ("AVX512", True, {"avx512f", "avx512_bf16", "amx_bf16"}, {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"},
+     "AVX-512 with bf16"),
+    ("AVX512", False, {"avx512f", "amx_bf16"}, {}, "AVX-512 without bf16"),
+    ("AVX2", False, {"avx2"}, {}, "AVX2 (no native bf16)"),
+])
+def test_the_machine_class_names_amx_where_onednn_may_use_it(monkeypatch, capability, bf16, flags, variables,
+                                                             expected):
+    for key in hardware.KERNEL_VARIABLES:
+        monkeypatch.delenv(key, raising=False)
+    for key, value in variables.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+    monkeypatch.setattr(hardware.compat, "onednn_supports", lambda dtype: bf16)
+    monkeypatch.setattr(hardware, "cpu_flags", lambda: flags)
+    assert hardware.machine_class() == expected

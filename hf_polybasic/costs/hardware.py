@@ -49,16 +49,19 @@ def cpu_name() -> str:
 
 
 def machine_class() -> str:
-    """A short name for the kind of machine torch sees, e.g. "AVX-512 with bf16" or "AVX2
+    """A short name for the kind of machine torch sees, e.g. "AVX-512 with bf16", "AVX-512 with bf16 and
+    AMX" (oneDNN's bf16 products run on AMX tiles there: a few rows cost about what one does) or "AVX2
     (emulated: ATEN_CPU_CAPABILITY=avx2 on an AVX-512 CPU)"."""
     capability = torch.backends.cpu.get_cpu_capability()
     bf16 = compat.onednn_supports(torch.bfloat16)
+    restricted = {key: os.environ[key] for key in KERNEL_VARIABLES if key in os.environ}
     name = {"AVX512": "AVX-512", "AVX2": "AVX2"}.get(capability, capability)
     if name == "AVX-512":
         name += " with bf16" if bf16 else " without bf16"
+        if bf16 and not restricted and "amx_bf16" in cpu_flags():
+            name += " and AMX"
     elif name == "AVX2":
         name += " (no native bf16)" if not bf16 else " with bf16 conversion"
-    restricted = {key: os.environ[key] for key in KERNEL_VARIABLES if key in os.environ}
     if restricted and "avx512f" in cpu_flags() and capability != "AVX512":
         settings = ", ".join(f"{key}={value}" for key, value in restricted.items())
         name += f" (emulated on an AVX-512 CPU: {settings})"
