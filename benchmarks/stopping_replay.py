@@ -406,8 +406,8 @@ def run_stopping_replay(models: str, target_dtype: str, question_file: str | Non
              "|---|---|---|---|---|"]
     lines += [f"| {name} | {row['x_plain']:.2f}x | {row['x_transformers']:.3f}x | {row['tokens_per_round']:.2f} | "
               f"{row['drafted_per_round']:.2f} |" for name, row in table.items()]
-    if ranked(named.values()):
-        missed = miss_ranks(named.values())
+    missed = miss_ranks(named.values()) if ranked(named.values()) else None
+    if missed is not None:
         lines += ["", f"Where the drafter's first choice missed ({sum(missed.values())} positions), the target's token "
                   f"was its choice " + ", ".join(f"{rank} at {count}" for rank, count in missed.items() if rank)
                   + f", below {RANKS_KEPT} at {missed[0]}."]
@@ -418,7 +418,7 @@ def run_stopping_replay(models: str, target_dtype: str, question_file: str | Non
         save_streams(directory / "streams.jsonl", named)
         (directory / "summary.json").write_text(json.dumps(
             {"table": table, "costs": {"verify": costs.verify.points, "step": costs.step, "measured": measured.points},
-             "machine": machine, **({"miss_ranks": miss_ranks(named.values())} if ranked(named.values()) else {}),
+             "machine": machine, **({"miss_ranks": missed} if missed is not None else {}),
              "turns": list(named)}, indent=1, default=str) + "\n")
         (directory / "results.md").write_text(text)
     return text

@@ -55,14 +55,15 @@ def machine_class() -> str:
     capability = torch.backends.cpu.get_cpu_capability()
     bf16 = compat.onednn_supports(torch.bfloat16)
     restricted = {key: os.environ[key] for key in KERNEL_VARIABLES if key in os.environ}
+    flags = cpu_flags()
     name = {"AVX512": "AVX-512", "AVX2": "AVX2"}.get(capability, capability)
     if name == "AVX-512":
         name += " with bf16" if bf16 else " without bf16"
-        if bf16 and not restricted and "amx_bf16" in cpu_flags():
+        if bf16 and not restricted and "amx_bf16" in flags:
             name += " and AMX"
     elif name == "AVX2":
         name += " (no native bf16)" if not bf16 else " with bf16 conversion"
-    if restricted and "avx512f" in cpu_flags() and capability != "AVX512":
+    if restricted and "avx512f" in flags and capability != "AVX512":
         settings = ", ".join(f"{key}={value}" for key, value in restricted.items())
         name += f" (emulated on an AVX-512 CPU: {settings})"
     return name
