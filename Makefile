@@ -97,7 +97,7 @@ test-quant4: $(QUANT4)/.installed
 # drafter, all of the translated level's, sampling in transformers' loop, which 4.57 ends at an EOS or
 # the budget its own way). `make test-matrix` runs them one after the other (-j2: two at a time).
 MATRIX_RELEASES := 4.57.6 5.17.0 5.23.0 5.20.2 5.14.1 5.4.0
-MATRIX_TESTS := tests/test_compat.py tests/test_greedy_equality.py tests/test_generate_features.py tests/test_batches.py \
+MATRIX_TESTS := tests/test_compat.py tests/test_greedy_equality.py tests/test_alternatives.py tests/test_generate_features.py tests/test_batches.py \
 	tests/test_translated.py::test_greedy_output_is_plain_generates tests/test_assisted.py
 MATRIX_MORE_RELEASES := 4.57.6
 MATRIX_MORE_TESTS := tests/test_sampling_distribution.py tests/test_vocab_head.py tests/test_translated.py \

@@ -98,6 +98,15 @@ class PolybasicConfig:
             first time it is used (~25 forwards, kept on disk: `hf_polybasic.costs`). False: use
             stored curves only (``hf-polybasic costs`` measures ahead), else the call's own timings;
             so does ``HF_POLYBASIC_MEASURE_COSTS=0``.
+        draft_alternatives: greedy, with the target right above a model drafter: at each drafted
+            position the target also scores this many of the drafter's next-best tokens, in the same
+            forward, each as a one-token branch; where it rejects a draft for one of them the round
+            emits one token more (`hf_polybasic.decoding.alternatives`). Exact: every token is still
+            the target's argmax. ``"auto"`` (default): 3, in the rounds where the target's measured
+            cost curve says the wider forward pays (flat costs: bf16 on AVX-512 with AMX), under the
+            cost-aware schedule; else none. An int: that many in every round (0: never); a chain that
+            cannot (sampling, an intermediate level, a batch, a GPU, a static cache, attention that
+            takes no 4-D mask, windowed layers, a draft head) is refused with the reason.
     """
 
     num_draft_tokens: int = 4
@@ -109,6 +118,7 @@ class PolybasicConfig:
     few_row_products: bool = False
     compile: bool | Literal["auto"] = "auto"
     measure_costs: bool = True
+    draft_alternatives: int | Literal["auto"] = "auto"
 
     def __post_init__(self) -> None:
         k = self.num_draft_tokens
@@ -148,6 +158,12 @@ class PolybasicConfig:
             raise ValueError(f"PolybasicConfig.compile must be 'auto', True or False, got {self.compile!r}")
         if not isinstance(self.measure_costs, bool):
             raise ValueError(f"PolybasicConfig.measure_costs must be True or False, got {self.measure_costs!r}")
+        count = self.draft_alternatives
+        if count != "auto" and (isinstance(count, bool) or not isinstance(count, int) or count < 0):
+            raise ValueError(
+                f"PolybasicConfig.draft_alternatives must be 'auto' or an int >= 0 (next-best tokens per draft), "
+                f"got {count!r}"
+            )
 
     def compiles(self, device: torch.device | str) -> bool:
         """Whether a model on ``device`` runs compiled (``compile``; ``"auto"``: on CUDA devices)."""

@@ -60,6 +60,10 @@ class LevelStats:
         insertion_saving: Theorem 3.2's latest verdict on this intermediate level, from the call's
             measured costs and acceptance: the seconds per token inserting it saves (negative: what
             it costs); None before a verdict.
+        alternative_rounds: of its verifications, those that also scored the drafter's next-best tokens
+            beside its drafts (greedy: `hf_polybasic.decoding.alternatives`).
+        alternative_hits: of those, the rounds whose own token was one of them, so they emitted one
+            token more (counted in neither ``accepted`` nor ``acceptance_lengths``).
     """
 
     name: str
@@ -81,6 +85,8 @@ class LevelStats:
     device_rounds: int = 0
     sat_out: str = ""
     insertion_saving: float | None = None
+    alternative_rounds: int = 0
+    alternative_hits: int = 0
 
     @contextmanager
     def timed(self, clock: Clock = DEFAULT_CLOCK) -> Iterator[Span]:
@@ -123,6 +129,8 @@ class LevelStats:
         self.runner = self.runner or other.runner
         self.bypassed_rounds += other.bypassed_rounds
         self.dropped_rounds += other.dropped_rounds
+        self.alternative_rounds += other.alternative_rounds
+        self.alternative_hits += other.alternative_hits
         self.sat_out = self.sat_out or other.sat_out
         self.insertion_saving = other.insertion_saving if other.insertion_saving is not None else self.insertion_saving
         for width, count in other.forward_widths.items():

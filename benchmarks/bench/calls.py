@@ -40,6 +40,8 @@ def _level_rows(stats, labels: Sequence[str] = ()) -> list[dict] | None:
                 "proposed": level.proposed,
                 "withheld": level.withheld,
                 "paused_rounds": level.paused_rounds,
+                "alternative_rounds": level.alternative_rounds,
+                "alternative_hits": level.alternative_hits,
                 "seconds": level.seconds,
                 "mean_acceptance_length": level.mean_acceptance_length,
                 "acceptance_lengths": list(level.acceptance_lengths),

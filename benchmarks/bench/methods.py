@@ -280,6 +280,7 @@ RECIPES: dict[str, Recipe] = {
         ),
         _chain("ours-draft", ("draft",)),
         _chain("ours-draft-auto", ("draft",), "cost_aware"),  # the default (its drafter restricted to 65,536 ids)
+        _chain("ours-draft-noalt-auto", ("draft",), "cost_aware", draft_alternatives=0),  # the default before them
         _chain("ours-draft-fullvocab-auto", ("draft",), "cost_aware", drafter_vocabulary=None),
         # the default with every CPU model forwarded through its few-row view (hf_polybasic.models.few_rows)
         _chain("ours-draft-fewrow-auto", ("draft",), "cost_aware", few_row_products=True),

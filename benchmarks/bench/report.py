@@ -113,6 +113,8 @@ def _levels(records: Sequence[dict]) -> list[dict] | None:
                 "forward_passes_per_token": forwards / new_tokens if new_tokens else None,
                 "withheld": sum(level.get("withheld", 0) for level in same),
                 "paused_rounds": sum(level.get("paused_rounds", 0) for level in same),
+                "alternative_rounds": sum(level.get("alternative_rounds", 0) for level in same),
+                "alternative_hits": sum(level.get("alternative_hits", 0) for level in same),
                 "seconds": sum(level["seconds"] for level in same),
             }
         )
@@ -292,7 +294,8 @@ def markdown(summary: dict, run_info: dict, mismatches: Sequence[dict], methods)
     if ours:
         lines.extend(["## Acceptance length per level (ours)", "",
                       "L_i = mean over the level's verifications of (accepted draft tokens + 1), pooled over the "
-                      "group; F/token = that level's forward passes per generated token. v = verifications.", "",
+                      "group; F/token = that level's forward passes per generated token. v = verifications; alternatives "
+                      "h/r: of r rounds that scored the drafter's next-best tokens, h emitted one token more.", "",
                       "| method | level | " + " | ".join(columns) + " |", "|---|---|" + "---|" * len(columns)])
         for method in ours:
             reference = next(
@@ -308,7 +311,9 @@ def markdown(summary: dict, run_info: dict, mismatches: Sequence[dict], methods)
                     elif row["verifications"]:
                         cells.append(
                             f"L={row['mean_acceptance_length']:.2f}, "
-                            f"F/token={row['forward_passes_per_token']:.2f} (v={row['verifications']})"
+                            f"F/token={row['forward_passes_per_token']:.2f} (v={row['verifications']}"
+                            + (f", alternatives {row['alternative_hits']}/{row['alternative_rounds']}"
+                               if row.get("alternative_rounds") else "") + ")"
                         )
                     else:
                         cells.append(f"F/token={_fmt(row['forward_passes_per_token'], '.2f')}")

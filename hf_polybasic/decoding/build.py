@@ -30,7 +30,9 @@ from ..stats import LevelStats, PolybasicStats
 from ..timing import DEFAULT_CLOCK, Clock
 from ..processing import DecodingRules
 from ..translation.level import Translated
+from .alternatives import DEFAULT_ALTERNATIVES, AlternativesPolicy
 from .round import DrafterLevel, IntermediateLevel, ModelDrafter, Verifier
+from ..runners.transfer import reads_wait
 from ..user_warnings import warn
 
 
@@ -326,8 +328,59 @@ def build_chain(
             shape_gates[index] = shape["shape_gate"]
         level = parts.intermediate(verifier, schedules[index], clock, **shape)
     top = parts.verifier(links[0].runner, level, rules, stats.levels[0], do_sample, clock)
+    _offer_alternatives(top, level, links[0], config, do_sample)
     return Chain(top, stats, [link.runner for link in links], schedules, [link.estimate for link in links], gate,
                  shape_gates, made)
+
+
+def alternatives_problem(level, target_runner, do_sample: bool) -> str | None:
+    """Why the target cannot score the drafter's alternatives beside its drafts
+    (`hf_polybasic.decoding.alternatives`), or None."""
+    if do_sample:
+        return "they are for greedy decoding (do_sample=False)"
+    if not drafters_under_target(level):
+        return ("they need a model drafter that proposes to the target (a chain of two models, or of three "
+                "under the cost-aware schedule, whose gate may bypass the middle level or drop the drafter)")
+    if reads_wait(target_runner.device):
+        return "they run where reads do not wait for the device (the CPU)"
+    if not getattr(target_runner, "scores_alternatives", False):
+        return (f"the target's runner ({runner_kind(target_runner)}, {target_runner.rows} row(s)) cannot: it needs one "
+                "row on a DynamicCache, sdpa or eager attention, no windowed layers and no draft head reading it")
+    return None
+
+
+def _offer_alternatives(top: Verifier, level, target: _Link, config: PolybasicConfig, do_sample: bool) -> None:
+    """Let the target score the drafter's next-best tokens beside its drafts where it can: every round with
+    a count the user set (refused with the reason where it cannot), or under ``"auto"`` where the target's
+    measured costs say it pays (`hf_polybasic.decoding.alternatives.AlternativesPolicy`)."""
+    asked = config.draft_alternatives
+    if asked == 0:
+        return
+    problem = alternatives_problem(level, target.runner, do_sample)
+    if problem is not None:
+        if asked != "auto":
+            raise ValueError(f"PolybasicConfig.draft_alternatives={asked}: {problem}; use 'auto' or 0")
+        return
+    auto = asked == "auto"
+    if auto and target.estimate is None:
+        return  # unpriced (another schedule): nothing says the wider forward pays
+    count = DEFAULT_ALTERNATIVES if auto else asked
+    top.alternatives = AlternativesPolicy(count, auto, None if target.estimate is None else target.estimate.seconds)
+    for drafter in drafters_under_target(level):
+        drafter.alternatives = count
+
+
+def drafters_under_target(level) -> list[ModelDrafter]:
+    """The model drafters whose proposals reach the target straight from ``level``, the level under it: the
+    level itself, or a shape gate's drafter in the rounds it bypasses the middle level and the middle
+    model drafting in those it drops the drafter (an intermediate level's own blocks carry none). The
+    drafter of a gated chain then also offers its alternatives to the middle level, which does not
+    score them (a next-best pick per drafted token)."""
+    if isinstance(level, ModelDrafter):
+        return [level]
+    if isinstance(level, IntermediateLevel) and level.shape_gate is not None:
+        return [drafter for drafter in (level.verifier.child, level.drop_drafter) if isinstance(drafter, ModelDrafter)]
+    return []
 
 
 def _shape_gate(links: list[_Link], under_target: bool, made: RowSchedules, config: PolybasicConfig,

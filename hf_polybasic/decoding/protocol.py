@@ -54,6 +54,8 @@ class Proposal:
     probs: torch.Tensor | None = None
     ids: list[int] | None = None  # the tokens as host ints, when the level read them back
     deferred: Deferred | None = None  # where the level left its read to the level above
+    # per token, the drafter's next-best ids there, greedy (`hf_polybasic.decoding.alternatives`); else None
+    alternatives: list[list[int]] | None = None
 
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
@@ -94,6 +96,7 @@ class Block:
         self._tokens: list[torch.LongTensor] = [torch.empty(0, dtype=torch.long, device=device)]
         self._ids: list[int] = []  # the same tokens on the host
         self._probs: list[torch.Tensor] = []
+        self._alternatives: list[list[int]] = []  # per token, where the level offers alternatives
         self.size = 0
         self.ended = False  # an EOS was added
         self._sampled: bool | None = None  # whether pieces come with probabilities
@@ -110,10 +113,12 @@ class Block:
             self._tokens = [torch.cat(self._tokens)]
         return self._tokens[0]
 
-    def extend(self, tokens: torch.LongTensor, probs: torch.Tensor | None = None, ids: list[int] | None = None) -> int:
+    def extend(self, tokens: torch.LongTensor, probs: torch.Tensor | None = None, ids: list[int] | None = None,
+               alternatives: list[list[int]] | None = None) -> int:
         """Add ``tokens`` ``[j]`` (and their ``probs`` ``[j, V]``), cut after the first EOS and at
         the budget; returns how many were kept. ``ids``: the same tokens as host ints, when the
-        caller has them (else they are read back here, to find an EOS)."""
+        caller has them (else they are read back here, to find an EOS); ``alternatives``: each
+        token's next-best ids (`hf_polybasic.decoding.alternatives`), kept with it."""
         if self.closed or tokens.shape[0] == 0:
             return 0
         if self._sampled is None:
@@ -129,6 +134,8 @@ class Block:
                 break
         self._tokens.append(tokens[:keep].to(self._tokens[0].device))
         self._ids.extend(ids[:keep])
+        if alternatives is not None:
+            self._alternatives.extend(alternatives[:keep])
         if probs is not None:
             self._probs.append(probs[:keep])
         self.size += keep
@@ -141,6 +148,7 @@ class Block:
             return
         self._tokens = [self.tokens[:size]]
         del self._ids[size:]
+        del self._alternatives[size:]
         if self._probs:
             self._probs = [torch.cat(self._probs)[:size]]
         self.size = size
@@ -153,7 +161,8 @@ class Block:
 
     def proposal(self) -> Proposal:
         probs = torch.cat(self._probs) if self._probs else None
-        return Proposal(self.tokens, probs, list(self._ids))
+        alternatives = list(self._alternatives) if len(self._alternatives) == self.size and self.size else None
+        return Proposal(self.tokens, probs, list(self._ids), alternatives=alternatives)
 
 
 class Runner(Protocol):
@@ -210,7 +219,7 @@ class Level(Protocol):
 
     def proposed(self, row: int) -> int: ...
 
-    def verified(self, kept: dict[int, int], seconds: float) -> None: ...
+    def verified(self, kept: dict[int, int], seconds: float, more: int = 0) -> None: ...
 
     def rollback_rows(self, lengths: dict[int, int]) -> None: ...
 

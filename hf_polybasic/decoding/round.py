@@ -60,6 +60,7 @@ from ..schedule.shape_gate import BYPASSED, DROPPED
 from ..stats import LevelStats
 from ..timing import DEFAULT_CLOCK, Clock, DeviceSpan, timed
 from .acceptance import emitted_tokens, greedy_decision, speculative_decision
+from .alternatives import AlternativesPolicy, hit, next_best, per_token
 from .device_blocks import DeviceBlocks
 from .protocol import Block, Deferred, Level, Proposal, Runner
 from .reads import HostRead
@@ -139,9 +140,10 @@ class Proposer:
             for row, count in kept.items():
                 self._active[row].observe_verification(self._proposed[row], count, seconds)
 
-    def verified(self, kept: dict[int, int], seconds: float) -> None:
+    def verified(self, kept: dict[int, int], seconds: float, more: int = 0) -> None:
         """The level above kept the first ``kept[row]`` tokens of each row's last proposal (its share of
-        the verification took ``seconds``): the schedules it was made under learn, and the level rolls
+        the verification took ``seconds``; ``more``: the tokens it emitted beyond them and its own token
+        per row, alternatives that hit): the schedules it was made under learn, and the level rolls
         back to them."""
         self._learn(kept, seconds)
         self.rollback_rows({row: self._starts[row] + count for row, count in kept.items()})
@@ -191,6 +193,7 @@ class Verifier:
         self.samples = samples
         self.clock = clock
         self.confidences = False
+        self.alternatives: AlternativesPolicy | None = None  # set where it scores a drafter's alternatives
 
     def verify(self, requests: dict[int, tuple[torch.LongTensor, int]]) -> dict[int, Round]:
         """``{row: (sequence, budget)}``: ask the child for each row's proposal, score them all in one
@@ -201,7 +204,7 @@ class Verifier:
         with self.stats.timed(self.clock) as span:
             # 2. score: one forward over every row's proposal and one position more
             candidates = {row: torch.cat([requests[row][0], proposals[row].tokens]) for row in requests}
-            logits = self.runner.logits_rows({row: (candidates[row], len(proposals[row]) + 1) for row in requests})
+            logits, branches = self._score(requests, proposals, candidates)
             scores = {
                 row: process_positions(self.rules[row].processors, candidates[row], sequence.shape[0],
                                        logits[row].to(sequence.device))  # [k + 1, V]
@@ -221,6 +224,9 @@ class Verifier:
             rounds, kept = {}, {}
             for row in requests:
                 rounds[row] = self._round(settled[row], values[row], scores[row], logits[row])
+                if row in branches:  # one more token where the target's own was an alternative it scored
+                    rounds[row] = self._past_alternative(row, requests[row][0], settled[row], rounds[row],
+                                                         values[row], *branches[row])
                 kept[row] = values[row].kept
             # 5. roll back: this level forgets the rejected drafts, then the level below does (`verified`)
             self.runner.rollback_rows({row: requests[row][0].shape[0] + count for row, count in kept.items()})
@@ -229,8 +235,55 @@ class Verifier:
         self.stats.seconds -= span.seconds - seconds
         # each row's share of the forward the rows shared, split evenly as `BatchShare` prices it (the
         # whole forward's seconds would make every row's overhead look like the other rows' work)
-        self.child.verified(kept, seconds / len(kept))
+        more = sum(len(rounds[row].ids) - kept[row] - 1 for row in kept)  # alternatives that hit
+        self.child.verified(kept, seconds / len(kept), more)
         return rounds  # 6. hand up: each row's accepted drafts, then this level's own token
+
+    def _score(self, requests: dict[int, tuple[torch.LongTensor, int]], proposals: dict[int, Proposal],
+               candidates: dict[int, torch.LongTensor]) -> tuple[dict[int, torch.Tensor], dict[int, tuple]]:
+        """The round's one forward: each row's logits ``[k + 1, V]`` at its drafts and one position more;
+        where the round offers the drafter's alternatives (`_per_draft`), their logits too, ``{row:
+        (m, [k, m, V])}``."""
+        per_draft = self._per_draft(requests, proposals)
+        if not per_draft:
+            return self.runner.logits_rows({row: (candidates[row], len(proposals[row]) + 1) for row in requests}), {}
+        ((row, proposal),) = proposals.items()
+        offered = torch.tensor([ids[:per_draft] for ids in proposal.alternatives])  # [k, m]
+        logits, branches = self.runner.logits_with_alternatives(candidates[row], len(proposal), offered)
+        return {row: logits}, {row: (per_draft, branches)}
+
+    def _per_draft(self, requests: dict[int, tuple[torch.LongTensor, int]], proposals: dict[int, Proposal]) -> int:
+        """How many alternatives per draft this round scores (`AlternativesPolicy`): a one-row round whose
+        drafter offered them, where its policy says so."""
+        if self.alternatives is None or len(proposals) != 1:
+            return 0
+        ((row, proposal),) = proposals.items()
+        if proposal.alternatives is None:
+            return 0
+        width = requests[row][0].shape[0] + len(proposal) - self.runner.lengths[row]
+        stats = self.stats
+        per_round = (stats.accepted + stats.verifications + stats.alternative_hits) / max(stats.verifications, 1)
+        return self.alternatives.per_draft(len(proposal), width, per_round if stats.verifications else 2.0)
+
+    def _past_alternative(self, row: int, sequence: torch.LongTensor, proposal: Proposal, round_: Round, read: Read,
+                          per_draft: int, branches: torch.Tensor) -> Round:
+        """The row's round, and where the target's own token is one of the alternatives scored beside the
+        draft it rejected (not an EOS), the target's argmax after it too: its logits ``branches`` ``[k, m,
+        V]`` came from the same forward (`hf_polybasic.decoding.alternatives`)."""
+        index = hit(read.kept, read.token, [offered[:per_draft] for offered in proposal.alternatives])
+        if read.token in self.rules[row].eos_token_ids:
+            index = None
+        self.alternatives.observe(index is not None)
+        self.stats.alternative_rounds += 1
+        if index is None:
+            return round_
+        self.stats.alternative_hits += 1
+        text = torch.cat([sequence, round_.tokens])
+        logits = branches[read.kept, index : index + 1].to(text.device)  # [1, V]
+        scores = process_positions(self.rules[row].processors, text, text.shape[0], logits)
+        after = scores.argmax(-1)  # [1]
+        return Round(tokens=torch.cat([round_.tokens, after]), scores=torch.cat([round_.scores, scores]),
+                     logits=torch.cat([round_.logits, logits]), ids=round_.ids + [int(after)])
 
     def decide(self, proposal: Proposal, scores: torch.Tensor) -> torch.Tensor:
         """The one place a row's drafts are accepted (`hf_polybasic.decoding.acceptance`): ``[accepted, next token]``
@@ -353,10 +406,11 @@ class IntermediateLevel(Proposer):
         self._dropping = True
         return self.drop_drafter.propose(requests)
 
-    def verified(self, kept: dict[int, int], seconds: float) -> None:
-        """The level above kept ``kept`` of this round's proposal: whoever proposed learns and rolls
-        back (the drafter under the lent schedules when bypassed, this level's model as a drafter when
-        the drafter was dropped, else this level), and the shape gate is told what the round took."""
+    def verified(self, kept: dict[int, int], seconds: float, more: int = 0) -> None:
+        """The level above kept ``kept`` of this round's proposal (and emitted ``more`` tokens beyond
+        them and its own, alternatives that hit): whoever proposed learns and rolls back (the drafter
+        under the lent schedules when bypassed, this level's model as a drafter when the drafter was
+        dropped, else this level), and the shape gate is told what the round took."""
         if self._bypassing:
             proposer, shape = self.verifier.child, BYPASSED
             proposer.verified(kept, seconds)
@@ -374,7 +428,9 @@ class IntermediateLevel(Proposer):
         # the forwards of the model that drafted, and (in) what the middle level's own rounds did
         forwards, middle = {BYPASSED: (drafter_forwards, (0, 0, 0)), DROPPED: (own_forwards, (0, 0, 0))}.get(
             shape, (drafter_forwards, (verifications, accepted + verifications, drafted)))
-        self.shape_gate.observe(len(kept), sum(kept.values()) + len(kept), sum(proposer.proposed(row) for row in kept),
+        # an alternative that hit counts as one more draft accepted (Theorem 3.2's rounds accept what they drafted at most)
+        self.shape_gate.observe(len(kept), sum(kept.values()) + len(kept) + more,
+                                sum(proposer.proposed(row) for row in kept) + more,
                                 forwards, middle, stops > 0)
 
     def propose(self, requests: dict[int, tuple[torch.LongTensor, int]],
@@ -472,6 +528,7 @@ class Draw:
     confidence: torch.Tensor | None
     valid: torch.Tensor
     top: torch.Tensor | None = None  # [1] greedy, [bins] sampling; at gated positions only
+    alternatives: torch.LongTensor | None = None  # [m] the next-best tokens, where the level offers them
 
 
 @functools.cache
@@ -539,6 +596,9 @@ class ModelDrafter(Proposer):
         self.samples = samples
         self.clock = clock
         self._widths: dict[int, int] = {}  # per row, how far to draft before the one read (`next_width`)
+        # next-best tokens offered beside each greedy draft (`hf_polybasic.decoding.alternatives`); set
+        # where the target scores them
+        self.alternatives = 0
 
     @property
     def forward_passes(self) -> int:
@@ -632,9 +692,11 @@ class ModelDrafter(Proposer):
             probs = torch.where(valid, probs, torch.ones_like(probs) / probs.shape[-1])  # never NaN to draw from
         token = torch.multinomial(probs, 1)[0] if self.samples else scores.argmax(-1)  # [1]
         reported = self.proposal_probs(probs, logits) if self.samples else None
+        others = None if self.samples or not self.alternatives else next_best(scores, token, self.alternatives)
         if not confidence:
-            return Draw(token, reported, None, valid)
-        return Draw(token, reported, probs[0, token], valid, draw_spread(probs[0], self.samples) if gated else None)
+            return Draw(token, reported, None, valid, alternatives=others)
+        return Draw(token, reported, probs[0, token], valid, draw_spread(probs[0], self.samples) if gated else None,
+                    others)
 
     def _keep_step(self, blocks: dict[int, Block], drawn: dict[int, list[Draw]], rows: list[int]) -> list[int]:
         """Read the latest draw of every row back (one read for all: token, validity, confidence, and
@@ -648,6 +710,8 @@ class ModelDrafter(Proposer):
             read.add((row, "draw"), torch.stack([value.double() for value in values]))
             if draw.top is not None:
                 read.add((row, "top"), draw.top)
+            if draw.alternatives is not None:
+                read.add((row, "alternatives"), draw.alternatives)
         host = read.read()
         going = []
         for row, draw in zip(rows, latest):
@@ -661,7 +725,8 @@ class ModelDrafter(Proposer):
             if block.size and self.samples and not schedule.next_draft_pays(host[row, "top"]):
                 self.stats.withheld += 1
                 continue
-            block.extend(draw.token, draw.probs, ids=[int(token)])
+            others = host.get((row, "alternatives"))
+            block.extend(draw.token, draw.probs, ids=[int(token)], alternatives=others and per_token(others, 1))
             # the token just drawn is kept whatever it is; only whether to draw another depends on it
             if block.closed:
                 schedule.closed_at(confidence)
@@ -683,6 +748,8 @@ class ModelDrafter(Proposer):
             return []
         pieces = [(("drafts", row, "tokens"), torch.cat([d.token for d in draws])),
                   (("drafts", row, "valid"), torch.stack([d.valid for d in draws]))]
+        if draws[0].alternatives is not None:
+            pieces.append((("drafts", row, "alternatives"), torch.stack([d.alternatives for d in draws])))
         if draws[0].confidence is not None:
             pieces.append((("drafts", row, "confidences"), torch.stack([d.confidence.reshape(()) for d in draws])))
             pieces.append((("drafts", row, "tops"), draws[0].top))
@@ -704,8 +771,11 @@ class ModelDrafter(Proposer):
             usable = valid.index(0) if 0 in valid else len(draws)
             if not usable:
                 continue
+            others = host.get(("drafts", row, "alternatives"))
+            others = None if others is None else per_token(others, len(draws))[:usable]
             block.extend(torch.cat([d.token for d in draws[:usable]]),
-                         torch.cat([d.probs for d in draws[:usable]]) if self.samples else None, ids=tokens[:usable])
+                         torch.cat([d.probs for d in draws[:usable]]) if self.samples else None, ids=tokens[:usable],
+                         alternatives=others)
             if draws[0].confidence is not None:
                 self._cut_by_confidence(row, block, host["drafts", row, "confidences"],
                                         self._gate_input(host["drafts", row, "tops"]), widths[row])

@@ -19,6 +19,7 @@ import torch
 from .. import compat
 from . import recurrent
 from .base import RunnerBase
+from .branches import BranchForward
 from .transfer import upload
 from ..timing import DEFAULT_CLOCK, Clock
 
@@ -57,7 +58,7 @@ def check_rollback_support(model: torch.nn.Module, cache, role: str) -> None:
 COMPACT_RATIO = 1.25
 
 
-class CachedModel(RunnerBase):
+class CachedModel(BranchForward, RunnerBase):
     """A causal LM plus its own cache, fed incrementally along the token sequences of ``rows`` rows.
 
     One row: the cache holds exactly the row's cached tokens, and a rollback cuts its tail.
