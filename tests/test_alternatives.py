@@ -11,6 +11,10 @@ from helpers import assert_every_level_took_part
 import hf_polybasic as hp
 from hf_polybasic.compat import new_dynamic_cache
 from hf_polybasic.decoding import alternatives as alt
+from hf_polybasic.decoding.build import ChainParts
+from hf_polybasic.decoding.protocol import Block
+from hf_polybasic.decoding.round import ModelDrafter, Verifier
+from hf_polybasic.generation import make_generate
 from hf_polybasic.runners import branches
 from hf_polybasic.runners.dynamic import CachedModel
 from hf_polybasic.testing import EOS, VOCAB, cheap_drafting_costs, make_target, noisy_copy, prompt, simulated_machine
@@ -142,6 +146,72 @@ def test_scores_and_logits_of_a_round_that_hit_are_plain_generates(alternatives_
                                    atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("seed", [0, 1, 3])  # (seed 2's text repeats one token)
+def test_an_eos_among_the_alternatives_ends_the_text_there(seed, alternatives_chains):
+    """With every other token offered beside each draft, every rejected draft is caught: where the
+    target's token there is an EOS, the round ends with it (nothing after an EOS)."""
+    target, draft = alternatives_chains("llama")
+    ids = prompt(4, seed=seed)
+    plain = target.generate(ids, do_sample=False, max_new_tokens=24, eos_token_id=None)
+    hits = 0
+    for step in range(2, 24, 3):
+        eos = int(plain[0, ids.shape[1] + step])
+        reference = target.generate(ids, do_sample=False, max_new_tokens=24, eos_token_id=eos)
+        out = target.generate(ids, do_sample=False, max_new_tokens=24, eos_token_id=eos, custom_generate=hp.generate,
+                              assistant_models=[draft], return_dict_in_generate=True,
+                              polybasic_config=hp.PolybasicConfig(schedule="constant", draft_alternatives=VOCAB - 1))
+        assert torch.equal(out.sequences, reference), step
+        hits += out.polybasic_stats.levels[0].alternative_hits
+    assert hits > 0
+
+
+class _Recording(Verifier):
+    made: list = []
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.made.append(self)
+
+
+class _RecordingDrafter(ModelDrafter):
+    made: list = []
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.made.append(self)
+
+
+def test_the_policy_learns_from_every_round_that_offered_them(alternatives_chains):
+    target, draft = alternatives_chains("qwen2")
+    _Recording.made.clear()
+    costs = {**cheap_drafting_costs(target, [draft]), target: lambda tokens: 0.010}
+    with simulated_machine(costs, parts=ChainParts(verifier=_Recording)) as simulated:
+        out = target.generate(prompt(4, seed=3), do_sample=False, max_new_tokens=30, eos_token_id=EOS,
+                              custom_generate=simulated, assistant_models=[draft], return_dict_in_generate=True)
+    policy, level = _Recording.made[-1].alternatives, out.polybasic_stats.levels[0]
+    assert level.alternative_hits > 0
+    assert (policy.rounds, policy.hits) == (level.alternative_rounds, level.alternative_hits)
+
+
+def test_unpriced_auto_leaves_the_drafter_alone(alternatives_chains):
+    """Under a schedule that measures no costs, ``"auto"`` offers nothing, and the drafter ranks nothing."""
+    target, draft = alternatives_chains("llama")
+    _RecordingDrafter.made.clear()
+    generate = make_generate(ChainParts(model_drafter=_RecordingDrafter))
+    out = target.generate(prompt(4), do_sample=False, max_new_tokens=10, custom_generate=generate,
+                          assistant_models=[draft], return_dict_in_generate=True,
+                          polybasic_config=hp.PolybasicConfig(schedule="constant"))
+    assert out.polybasic_stats.levels[0].alternative_rounds == 0
+    assert _RecordingDrafter.made[-1].alternatives == 0
+
+
+def test_a_count_is_refused_where_reads_wait_for_the_device(drafts_read_with_the_decision, alternatives_chains):
+    target, draft = alternatives_chains("llama")
+    with pytest.raises(ValueError, match="draft_alternatives=2: .*the CPU"):
+        target.generate(prompt(4), do_sample=False, max_new_tokens=5, custom_generate=hp.generate,
+                        assistant_models=[draft], polybasic_config=hp.PolybasicConfig(draft_alternatives=2))
+
+
 class _WrongMask:
     """A negative control: the alternatives see every draft (a plain causal mask over the branch)."""
 
@@ -219,6 +289,27 @@ def test_the_policy_offers_none_unpriced_and_learns_its_hit_rate():
         policy.observe(False)
     assert policy.per_draft(3, 4, 2.0) == 0  # 1 / 33 a round: 1.052 > 1.015
     assert (policy.rounds, policy.hits) == (30, 0)
+    steep = alt.AlternativesPolicy(3, auto=True, seconds=lambda tokens: 1.0 + 0.021 * tokens)
+    assert steep.per_draft(3, 4, 2.0) == 0  # 1.273 / 1.084 = 1.174 > (2 + 1/3) / 2
+    for _ in range(10):
+        steep.observe(True)
+    assert steep.per_draft(3, 4, 2.0) == 3  # 11 / 13 a round
+
+
+def test_tokens_per_round_start_from_the_prior():
+    assert alt.tokens_per_round(0, 0) == alt.PRIOR_TOKENS_PER_ROUND
+    assert alt.tokens_per_round(9, 3) == 3.0
+
+
+def test_a_block_keeps_the_alternatives_of_the_tokens_it_keeps():
+    block = Block(frozenset({9}), budget=3)
+    block.extend(torch.tensor([1, 2, 3, 4]), ids=[1, 2, 3, 4], alternatives=[[5], [6], [7], [8]])
+    assert block.proposal().alternatives == [[5], [6], [7]]  # cut at the budget
+    block.truncate(2)
+    assert block.proposal().alternatives == [[5], [6]]
+    ended = Block(frozenset({2}), budget=4)
+    ended.extend(torch.tensor([1, 2, 3]), ids=[1, 2, 3], alternatives=[[5], [6], [7]])
+    assert ended.proposal().alternatives == [[5], [6]]  # cut after the EOS
 
 
 @pytest.mark.parametrize("value", [-1, True, 1.5, "three"])

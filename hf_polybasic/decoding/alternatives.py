@@ -30,6 +30,8 @@ DEFAULT_ALTERNATIVES = 3
 
 # before any round has offered alternatives, a hit is expected this often per round
 PRIOR_HITS, PRIOR_ROUNDS = 1.0, 3.0
+# before any round was verified, a round is expected to emit this many tokens
+PRIOR_TOKENS_PER_ROUND = 2.0
 
 
 def next_best(scores: torch.Tensor, token: torch.LongTensor, count: int) -> torch.LongTensor:
@@ -56,6 +58,11 @@ def hit(kept: int, token: int, alternatives: list[list[int]]) -> int | None:
     return offered.index(token) if token in offered else None
 
 
+def tokens_per_round(emitted: int, rounds: int) -> float:
+    """The tokens a verifier's rounds emitted on average, `PRIOR_TOKENS_PER_ROUND` before its first."""
+    return emitted / rounds if rounds else PRIOR_TOKENS_PER_ROUND
+
+
 def alternatives_pay(seconds: Callable[[float], float], width: int, branches: int, tokens_per_round: float,
                      hit_rate: float) -> bool:
     """Whether scoring ``branches`` alternatives beside a forward of ``width`` tokens pays: its cost grows
@@ -77,7 +84,7 @@ class AlternativesPolicy:
 
     def per_draft(self, drafts: int, width: int, tokens_per_round: float) -> int:
         """Alternatives per draft for a round of ``drafts`` drafts fed in a forward of ``width`` tokens."""
-        if not drafts or not self.count:
+        if not drafts:
             return 0
         if not self.auto:
             return self.count

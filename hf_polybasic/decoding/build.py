@@ -31,8 +31,8 @@ from ..timing import DEFAULT_CLOCK, Clock
 from ..processing import DecodingRules
 from ..translation.level import Translated
 from .alternatives import DEFAULT_ALTERNATIVES, AlternativesPolicy
+from . import round as levels_round
 from .round import DrafterLevel, IntermediateLevel, ModelDrafter, Verifier
-from ..runners.transfer import reads_wait
 from ..user_warnings import warn
 
 
@@ -341,7 +341,7 @@ def alternatives_problem(level, target_runner, do_sample: bool) -> str | None:
     if not drafters_under_target(level):
         return ("they need a model drafter that proposes to the target (a chain of two models, or of three "
                 "under the cost-aware schedule, whose gate may bypass the middle level or drop the drafter)")
-    if reads_wait(target_runner.device):
+    if levels_round.reads_wait(target_runner.device):  # as the round reads (tests emulate a GPU's)
         return "they run where reads do not wait for the device (the CPU)"
     if not getattr(target_runner, "scores_alternatives", False):
         return (f"the target's runner ({runner_kind(target_runner)}, {target_runner.rows} row(s)) cannot: it needs one "

@@ -60,7 +60,7 @@ from ..schedule.shape_gate import BYPASSED, DROPPED
 from ..stats import LevelStats
 from ..timing import DEFAULT_CLOCK, Clock, DeviceSpan, timed
 from .acceptance import emitted_tokens, greedy_decision, speculative_decision
-from .alternatives import AlternativesPolicy, hit, next_best, per_token
+from .alternatives import AlternativesPolicy, hit, next_best, per_token, tokens_per_round
 from .device_blocks import DeviceBlocks
 from .protocol import Block, Deferred, Level, Proposal, Runner
 from .reads import HostRead
@@ -255,15 +255,15 @@ class Verifier:
     def _per_draft(self, requests: dict[int, tuple[torch.LongTensor, int]], proposals: dict[int, Proposal]) -> int:
         """How many alternatives per draft this round scores (`AlternativesPolicy`): a one-row round whose
         drafter offered them, where its policy says so."""
-        if self.alternatives is None or len(proposals) != 1:
+        if self.alternatives is None:
             return 0
-        ((row, proposal),) = proposals.items()
+        ((row, proposal),) = proposals.items()  # one row (`hf_polybasic.decoding.build.alternatives_problem`)
         if proposal.alternatives is None:
             return 0
         width = requests[row][0].shape[0] + len(proposal) - self.runner.lengths[row]
         stats = self.stats
-        per_round = (stats.accepted + stats.verifications + stats.alternative_hits) / max(stats.verifications, 1)
-        return self.alternatives.per_draft(len(proposal), width, per_round if stats.verifications else 2.0)
+        emitted = stats.accepted + stats.verifications + stats.alternative_hits
+        return self.alternatives.per_draft(len(proposal), width, tokens_per_round(emitted, stats.verifications))
 
     def _past_alternative(self, row: int, sequence: torch.LongTensor, proposal: Proposal, round_: Round, read: Read,
                           per_draft: int, branches: torch.Tensor) -> Round:
@@ -692,7 +692,7 @@ class ModelDrafter(Proposer):
             probs = torch.where(valid, probs, torch.ones_like(probs) / probs.shape[-1])  # never NaN to draw from
         token = torch.multinomial(probs, 1)[0] if self.samples else scores.argmax(-1)  # [1]
         reported = self.proposal_probs(probs, logits) if self.samples else None
-        others = None if self.samples or not self.alternatives else next_best(scores, token, self.alternatives)
+        others = next_best(scores, token, self.alternatives) if self.alternatives else None  # greedy only (build)
         if not confidence:
             return Draw(token, reported, None, valid, alternatives=others)
         return Draw(token, reported, probs[0, token], valid, draw_spread(probs[0], self.samples) if gated else None,
