@@ -261,6 +261,28 @@ def test_every_call_is_recorded(quick_run):
     assert run["machine"]["torch"] == torch.__version__ and run["command"] == "pytest tests/test_bench.py"
 
 
+def test_each_turn_takes_the_median_over_repeats_and_the_lowest_turn_is_named():
+    """The report's per-turn table and lowest turns (`report.turn_speeds`, `report.lowest_turns`): ours
+    against plain and against the other methods, each at the turn of its lowest median ratio."""
+    from benchmarks.bench.report import lowest_turns, turn_speeds
+
+    records = []
+    for repeat, slow in enumerate([1.0, 3.0, 2.0]):
+        records += [_record("plain", "a", 0, repeat, 10, 1.0), _record("plain", "a", 1, repeat, 10, 2.0),
+                    _record("hf", "a", 0, repeat, 10, 0.5), _record("hf", "a", 1, repeat, 10, 1.0 * slow),
+                    _record("ours", "a", 0, repeat, 10, 0.25 * slow), _record("ours", "a", 1, repeat, 10, 0.8)]
+    turns = turn_speeds(records)
+    assert turns[("a", 1)] == pytest.approx({"plain": 5.0, "hf": 5.0, "ours": 12.5})  # hf: median of 10, 3.33, 5
+    assert turns[("a", 0)]["ours"] == pytest.approx(20.0)
+    names = [bench_methods.Method("plain", "plain", "", {}, None), bench_methods.Method("hf", "custom", "", {}, None),
+             bench_methods.Method("ours", "polybasic", "", {}, None, polybasic=True)]
+    found = {(low["method"], low["against"]): (low["ratio"], low["turn"]) for low in lowest_turns(turns, names)}
+    assert found[("hf", "plain")] == (pytest.approx(1.0), 1)
+    assert found[("ours", "plain")] == (pytest.approx(2.0), 0)
+    assert found[("ours", "hf")] == (pytest.approx(1.0), 0)
+    assert set(found) == {("hf", "plain"), ("ours", "plain"), ("ours", "hf")}
+
+
 def test_each_levels_withheld_drafts_and_paused_rounds_are_recorded_and_pooled():
     """A call's record carries what `polybasic_stats` counted per level (`calls._level_rows`); the summary
     adds them up over the calls it pools (`report._levels`)."""

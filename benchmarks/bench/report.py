@@ -184,6 +184,31 @@ def mismatches_of(records: Sequence[dict], methods, baseline: str) -> list[dict]
     return found
 
 
+def turn_speeds(records: Sequence[dict]) -> dict[tuple[str, int], dict[str, float]]:
+    """Per (question, turn), each method's median tokens/s over its repeats."""
+    speeds: dict[tuple[str, int], dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    for record in records:
+        speeds[(record["question_id"], record["turn"])][record["method"]].append(record["new_tokens"] / record["seconds"])
+    return {turn: {method: statistics.median(values) for method, values in by_method.items()}
+            for turn, by_method in speeds.items()}
+
+
+def lowest_turns(turns: dict[tuple[str, int], dict[str, float]], methods) -> list[dict]:
+    """For each method against the baseline (the first) and each method of ours against each other
+    one, the turn where its median tokens/s is the lowest share of the other's."""
+    names = [method.name for method in methods]
+    ours = [method.name for method in methods if method.polybasic]
+    pairs = [(name, names[0]) for name in names[1:]] + [(a, b) for a in ours for b in names[1:] if b != a]
+    found = []
+    for method, against in pairs:
+        ratios = [(speeds[method] / speeds[against], turn) for turn, speeds in turns.items()
+                  if method in speeds and speeds.get(against)]
+        if ratios:
+            ratio, (question, turn) = min(ratios)
+            found.append({"method": method, "against": against, "ratio": ratio, "question": question, "turn": turn})
+    return found
+
+
 def summarise(records: Sequence[dict], methods, questions: Sequence[Question]) -> dict:
     """Per group and overall, per method: speedup, tokens/s, tokens per target forward, per-level
     L_i and forward passes, memory; plus the greedy mismatches."""
@@ -219,7 +244,10 @@ def summarise(records: Sequence[dict], methods, questions: Sequence[Question]) -
                 }
             )
             table[group][method.name] = cell
-    return {"baseline": baseline, "groups": groups, "table": table}
+    turns = turn_speeds(records)
+    return {"baseline": baseline, "groups": groups, "table": table, "lowest_turns": lowest_turns(turns, methods),
+            "turns": [{"question": question, "turn": turn, "tokens_per_second": speeds}
+                      for (question, turn), speeds in sorted(turns.items())]}
 
 
 # ------------------------------------------------------------------------------------- markdown
@@ -319,6 +347,22 @@ def markdown(summary: dict, run_info: dict, mismatches: Sequence[dict], methods)
                         cells.append(f"F/token={_fmt(row['forward_passes_per_token'], '.2f')}")
                 label = level["name"] if level["role"] in level["name"] else f"{level['name']} ({level['role']})"
                 lines.append(f"| {method.name} | {label} | " + " | ".join(cells) + " |")
+        lines.append("")
+
+    if summary.get("turns"):
+        names = [method.name for method in methods]
+        lines.extend(["## Per turn", "", f"Each turn's median tokens/s over the repeats: {names[0]}'s, and each "
+                      "other method's as a multiple of it.", "",
+                      "| question | turn | " + " | ".join(names) + " |", "|---|---|" + "---|" * len(names)])
+        for row in summary["turns"]:
+            speeds, base = row["tokens_per_second"], row["tokens_per_second"].get(names[0])
+            cells = [_fmt(base, ".2f")] + [
+                "–" if name not in speeds or not base else f"{speeds[name] / base:.2f}x" for name in names[1:]]
+            lines.append(f"| {row['question']} | {row['turn'] + 1} | " + " | ".join(cells) + " |")
+        lines.append("")
+        for low in summary["lowest_turns"]:
+            lines.append(f"- lowest turn, {low['method']} against {low['against']}: {low['ratio']:.2f}x "
+                         f"(question {low['question']}, turn {low['turn'] + 1})")
         lines.append("")
 
     lines.extend(["## Memory", "",
