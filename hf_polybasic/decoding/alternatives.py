@@ -3,9 +3,9 @@
 At each drafted position the drafter's argmax is the draft; its next ``m`` tokens by processed score
 are that position's *alternatives*. The target scores them in the same forward as the drafts, each
 as a one-token branch: at the position of draft j, attending to the text and drafts ``0..j-1`` only
-(`hf_polybasic.runners.branches.branch_mask`). Where the target rejects draft j its own token there is its argmax t; if t is one
-of draft j's alternatives, the target has already scored the text followed by t, so the round emits
-one token more: the target's argmax after t (`hit`).
+(`hf_polybasic.runners.branches.branch_mask`). Where the target rejects draft j its own token there
+is its argmax t; if t is one of draft j's alternatives, the target has already scored the text
+followed by t, so the round emits one token more: the target's argmax after t (`hit`).
 
 Why it stays exact: every token emitted is still the target's argmax given the text before it; the
 alternatives only decide which of those argmaxes the forward happens to have computed. Which
@@ -14,7 +14,7 @@ need a rejection rule over several candidates per position.
 
 Whether a round offers them is a cost question (`alternatives_pay`): m more tokens per draft widen
 the target's forward, which is nearly free where its cost is flat in the width (bf16 products on
-AMX: T(16) is 1.04 T(1)) and dear where it is not (fp32 on AVX2: T(8) is 5.6 T(1)).
+AMX: T(16) is 1.06 T(1)) and dear where it is not (fp32 on AVX2: T(8) is 5.6 T(1)).
 """
 
 from __future__ import annotations

@@ -17,7 +17,10 @@ row at once (``{row: (sequence, budget)}``). A round, as this file runs it:
       drafting; its schedule sets K and may stop a row by confidence.
    c. A `DrafterLevel` asks a model-free `Drafter` (prompt lookup, your own), row by row.
 2. **Score**: one forward of the verifier's runner scores every row's proposal plus one position
-   (`Runner.logits_rows`), and the row's logits processors give the processed scores.
+   (`Runner.logits_rows`), and the row's logits processors give the processed scores. Greedy, one
+   row, a model drafter right below: where the target's measured costs say the wider forward pays,
+   the same forward also scores the drafter's next-best tokens beside each draft, one-token branches
+   (`hf_polybasic.decoding.alternatives`).
 3. **Decide**: `hf_polybasic.decoding.acceptance` decides each row's ``[accepted, next token]`` on the
    device (greedy match, or speculative sampling against the reported distributions).
 4. **Read**: one read from the device for all rows (accepted counts, next tokens, confidences).
@@ -31,7 +34,8 @@ row at once (``{row: (sequence, budget)}``). A round, as this file runs it:
 5. **Roll back**: the verifier's cache forgets the rejected drafts (`Runner.rollback_rows`); the level
    below is told what was kept (``child.verified(kept, seconds)``): it rolls back too and its schedules
    learn. Rollbacks only go down; proposals only go up.
-6. **Hand up** each row's `Round`: the accepted drafts, then the verifier's own token.
+6. **Hand up** each row's `Round`: the accepted drafts, then the verifier's own token (and where that
+   token was one of the branches scored beside the draft it rejected, the verifier's token after it).
 
 Why the chain is lossless: by `hf_polybasic.decoding.acceptance`, the tokens a verifier emits are an
 autoregressive sample of its own processed distribution p_i (greedy: its argmax continuation),
