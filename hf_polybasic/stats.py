@@ -31,7 +31,8 @@ class LevelStats:
             (0 for the drafter).
         drafted: tokens this level received from the level below to verify.
         accepted: of those, how many it accepted.
-        acceptance_lengths: per verification, accepted + 1 (see module docstring).
+        acceptance_lengths: per verification, the tokens it emitted: accepted + 1, and 1 more where an
+            alternative hit (see module docstring).
         proposed: tokens this level handed up to the level above (0 for the target).
         withheld: tokens this level drafted and did not hand up: by argmax, where verifying fewer paid
             more (`hf_polybasic.schedule.CostAwareSchedule.proposal_size`); sampling, at a position whose
@@ -63,7 +64,7 @@ class LevelStats:
         alternative_rounds: of its verifications, those that also scored the drafter's next-best tokens
             beside its drafts (greedy: `hf_polybasic.decoding.alternatives`).
         alternative_hits: of those, the rounds whose own token was one of them, so they emitted one
-            token more (counted in neither ``accepted`` nor ``acceptance_lengths``).
+            token more (counted in ``acceptance_lengths`` and L_i, not in ``accepted``).
     """
 
     name: str
@@ -104,10 +105,11 @@ class LevelStats:
 
     @property
     def mean_acceptance_length(self) -> float | None:
-        """L_i: mean tokens emitted per verification (accepted + 1); None if it never verified."""
+        """L_i: mean tokens emitted per verification (accepted + 1, + 1 where an alternative hit); None if
+        it never verified."""
         if not self.verifications:
             return None
-        return (self.accepted + self.verifications) / self.verifications
+        return (self.accepted + self.verifications + self.alternative_hits) / self.verifications
 
     @property
     def acceptance_rate(self) -> float | None:

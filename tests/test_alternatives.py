@@ -190,6 +190,10 @@ def test_the_policy_learns_from_every_round_that_offered_them(alternatives_chain
                               custom_generate=simulated, assistant_models=[draft], return_dict_in_generate=True)
     policy, level = _Recording.made[-1].alternatives, out.polybasic_stats.levels[0]
     assert level.alternative_hits > 0
+    # every round's tokens, a hit's one more included: the streamer's bursts (examples/streaming.py)
+    assert sum(level.acceptance_lengths) == out.polybasic_stats.new_tokens
+    assert level.mean_acceptance_length == pytest.approx(level.verifications and sum(level.acceptance_lengths)
+                                                         / level.verifications)
     assert (policy.rounds, policy.hits) == (level.alternative_rounds, level.alternative_hits)
 
 

@@ -100,7 +100,7 @@ def _levels(records: Sequence[dict]) -> list[dict] | None:
     for index, first in enumerate(rows[0]):
         same = [row[index] for row in rows if len(row) > index]
         verifications = sum(level["verifications"] for level in same)
-        accepted = sum(level["accepted"] for level in same)
+        accepted = sum(level["accepted"] + level.get("alternative_hits", 0) for level in same)  # emitted beyond 1
         forwards = sum(level["forward_passes"] for level in same)
         out.append(
             {

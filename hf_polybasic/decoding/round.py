@@ -282,6 +282,7 @@ class Verifier:
         if index is None:
             return round_
         self.stats.alternative_hits += 1
+        self.stats.acceptance_lengths[-1] += 1  # the round emitted one token more
         text = torch.cat([sequence, round_.tokens])
         logits = branches[read.kept, index : index + 1].to(text.device)  # [1, V]
         scores = process_positions(self.rules[row].processors, text, text.shape[0], logits)
