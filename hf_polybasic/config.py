@@ -98,15 +98,16 @@ class PolybasicConfig:
             first time it is used (~25 forwards, kept on disk: `hf_polybasic.costs`). False: use
             stored curves only (``hf-polybasic costs`` measures ahead), else the call's own timings;
             so does ``HF_POLYBASIC_MEASURE_COSTS=0``.
-        draft_alternatives: greedy, with the target right above a model drafter: at each drafted
+        draft_alternatives: greedy, in the rounds a model drafter proposes to the target (a chain of
+            two models; the bypassed and dropped rounds of a gated chain of three): at each drafted
             position the target also scores this many of the drafter's next-best tokens, in the same
             forward, each as a one-token branch; where it rejects a draft for one of them the round
             emits one token more (`hf_polybasic.decoding.alternatives`). Exact: every token is still
             the target's argmax. ``"auto"`` (default): 3, in the rounds where the target's measured
             cost curve says the wider forward pays (flat costs: bf16 on AVX-512 with AMX), under the
             cost-aware schedule; else none. An int: that many in every round (0: never); a chain that
-            cannot (sampling, an intermediate level, a batch, a GPU, a static cache, attention that
-            takes no 4-D mask, windowed layers, a draft head) is refused with the reason.
+            cannot (sampling, an ungated intermediate level, a batch, a GPU, a static cache, attention
+            that takes no 4-D mask, windowed layers, a draft head) is refused with the reason.
     """
 
     num_draft_tokens: int = 4
